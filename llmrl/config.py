@@ -1,0 +1,412 @@
+"""Run configuration: typed, validated at load time, one docstring per field.
+
+A run is described by one YAML file that maps onto `RunConfig`. Any field can be overridden from
+the command line with ``--set section.field=value`` (the value is parsed as YAML, so ``3``,
+``1e-5``, ``true`` and ``[1, 2]`` mean what they look like). Unknown keys and values of the wrong
+type are `ConfigError`s that name the dotted path of the field and the file it came from, e.g.::
+
+    training.lr: expected a number, got 'fast' (in examples/arithmetic.yaml)
+
+The defaults are the settings we vouch for on the built-in arithmetic task with the tiny model;
+`demo_config()` is what ``llmrl train`` runs when given no config file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmrl.types import GenerationArgs
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names every bad field."""
+
+
+class Section(BaseModel):
+    """Base of all config sections: unknown keys are errors; field docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    spec: str = "tiny://arithmetic"
+    """`tiny://arithmetic` (the built-in model), a local folder, or a Hugging Face hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the policy; float32 gives bitwise-reproducible runs on CPU."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel passed to transformers."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub; off unless you trust the repository."""
+
+
+class InferenceConfig(Section):
+    type: str = "local"
+    """Inference interface from the registry: `local` (embedded engine) or `openai` (HTTP server)."""
+    base_url: str | None = None
+    """Base URL of an OpenAI-compatible server (type `openai`), e.g. http://127.0.0.1:8000/v1."""
+    api_key_env: str | None = None
+    """Name of the environment variable that holds the server's bearer token, if it needs one."""
+    max_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one engine step (prompt and cache tokens of all running sequences)."""
+    max_concurrent: int = Field(64, ge=1)
+    """Most sequences decoded at once by the embedded engine or in flight to a server."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """Per-request timeout for remote inference."""
+    generation: GenerationArgs = Field(default_factory=lambda: GenerationArgs(max_tokens=16))
+    """Sampling parameters for training rollouts (temperature also sets the trainer's logprobs)."""
+
+
+class EnvironmentConfig(Section):
+    agent_type: str
+    """Registry name of the agent (see `llmrl.registry.agent_names()`)."""
+    agent_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the agent's constructor."""
+    env_id: str | None = None
+    """Name used in metrics and logs; defaults to `agent_type`."""
+    weight: float = Field(1.0, ge=0.0)
+    """Share of each step's prompt groups drawn from this environment."""
+    evaluation_only: bool = False
+    """Evaluate on this environment but never train on it."""
+
+    @property
+    def name(self) -> str:
+        return self.env_id or self.agent_type
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Baseline of each group: GRPO (mean, std-normalised), Dr. GRPO (mean only) or RLOO."""
+    batch_std_normalize: bool = False
+    """Divide advantages by the std over the whole batch (REINFORCE++ style)."""
+    clip_low: float = Field(0.2, ge=0.0)
+    """Lower PPO clip range: ratios below 1 - clip_low are clipped."""
+    clip_high: float = Field(0.28, ge=0.0)
+    """Upper PPO clip range (DAPO clip-higher): ratios above 1 + clip_high are clipped."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None turns it off."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO/GRPO) or per sequence, length-normalised (GSPO)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """How per-token losses become one number (see llmrl.algorithms.losses)."""
+    max_length: int | None = Field(None, ge=1)
+    """Constant divisor for `seq_mean_token_sum_norm` (Dr. GRPO); defaults to generation max_tokens."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty to the reference policy; 0 skips the reference model entirely."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of KL(policy || reference) per token (Schulman's k1/k2/k3)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus."""
+    is_mode: Literal["truncate", "mask"] | None = None
+    """Trainer/inference mismatch correction: truncated IS weights, sequence masking, or none."""
+    is_cap: float = Field(2.0, gt=0.0)
+    """Cap of the truncated importance weights (`truncate`) or mismatch threshold (`mask`)."""
+    overlong_buffer: int | None = Field(None, ge=1)
+    """DAPO soft overlong punishment: length of the penalty ramp before max_tokens; None is off."""
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    """Largest penalty of the soft overlong punishment (reached at max_tokens)."""
+    mask_truncated: bool = False
+    """Drop completions that hit max_tokens from the loss."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: replace groups whose rewards are all equal (they carry no signal)."""
+    max_resample_rounds: int = Field(3, ge=0)
+    """Bound on redraws of zero-signal groups per step."""
+
+
+class TrainingConfig(Section):
+    steps: int = Field(40, ge=0)
+    """Number of RL steps (rollout collection + policy update)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompt groups per step."""
+    group_size: int = Field(8, ge=1)
+    """Completions sampled per prompt (the GRPO group)."""
+    lr: float = Field(2e-5, gt=0.0)
+    """Peak learning rate of AdamW."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this; None disables clipping."""
+    iterations: int = Field(1, ge=1)
+    """Optimisation passes over each step's rollouts (PPO epochs)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass: the rollouts are split into this many mini-batches."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Token budget of one packed forward/backward micro-batch."""
+    generation_lag: int = Field(0, ge=0)
+    """Steps generation may run ahead of training (0 = synchronous on-policy)."""
+    deterministic: bool = True
+    """Use deterministic kernels so that the same config gives the same numbers."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy trains; `auto` picks CUDA when available."""
+
+
+class EvaluationConfig(Section):
+    every: int = Field(10, ge=0)
+    """Evaluate every N steps (0 = only at start and end)."""
+    at_start: bool = True
+    """Evaluate before the first step."""
+    at_end: bool = True
+    """Evaluate after the last step."""
+    num_prompts: int = Field(64, ge=1)
+    """Held-out problems per environment."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """Completions sampled per problem (the n of pass@k)."""
+    ks: list[int] = Field(default_factory=lambda: [1, 8])
+    """k values for pass@k (each <= samples_per_prompt)."""
+    greedy: bool = True
+    """Also decode each problem greedily and report greedy accuracy."""
+    correct_threshold: float = 1.0
+    """A sample counts as correct when its reward is at least this."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(20, ge=0)
+    """Save every N steps (0 = only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted."""
+    save_optimizer: bool = True
+    """Include optimizer and scheduler state (needed for exact resume)."""
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run folder."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the `wandb` extra)."""
+    wandb_project: str = "llmrl"
+    """W&B project name."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode; offline writes locally and can be synced later."""
+    rollouts_per_step: int = Field(8, ge=0)
+    """Rollouts written to rollouts.jsonl per step (text, reward)."""
+    trace: bool = True
+    """Record a Chrome-trace/Perfetto timeline of the run's phases."""
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+    """Progress display: a rich bar on a terminal, plain lines otherwise."""
+
+
+class RunConfig(Section):
+    seed: int = 0
+    """Seed of every random choice in the run (sampling, problem order, initialisation)."""
+    run_dir: str = "runs/demo"
+    """Folder for metrics, logs, plots and checkpoints."""
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules imported before building agents, so they can register their own types.
+    Only honoured for configs read from a local file, never for one received over the network."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """How rollouts are generated."""
+    environments: list[EnvironmentConfig] = Field(min_length=1)
+    """Environments to train and evaluate on."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantage estimator and loss."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """Optimisation schedule."""
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    """Held-out evaluation."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metrics, logs and traces."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if not any(env.weight > 0 and not env.evaluation_only for env in self.environments):
+            raise ValueError("environments: at least one environment needs weight > 0 and evaluation_only false")
+        names = [env.name for env in self.environments]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"environments: env ids must be unique, repeated: {duplicates} (set env_id)")
+        too_big = [k for k in self.evaluation.ks if k > self.evaluation.samples_per_prompt or k < 1]
+        if too_big:
+            raise ValueError(
+                f"evaluation.ks: every k must be in 1..samples_per_prompt "
+                f"({self.evaluation.samples_per_prompt}), got {too_big}"
+            )
+        return self
+
+
+def demo_config() -> RunConfig:
+    """The built-in demo: the tiny model learns 2-digit addition with GRPO."""
+    return RunConfig(environments=[EnvironmentConfig(agent_type="arithmetic", agent_args={"digits": 2})])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+
+
+_EXPECTED = {
+    "float_parsing": "expected a number",
+    "float_type": "expected a number",
+    "int_parsing": "expected an integer",
+    "int_type": "expected an integer",
+    "int_from_float": "expected an integer",
+    "bool_parsing": "expected true or false",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "list_type": "expected a list",
+    "tuple_type": "expected a list",
+    "dict_type": "expected a mapping",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+}
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "<root>"
+
+
+def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names valid at `loc` (the parent of an unknown key), for 'did you mean' hints."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ()) or ()
+        candidates = [annotation, *args]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
+    path = _dotted(error["loc"])
+    kind = error["type"]
+    given = error.get("input")
+    if kind == "extra_forbidden":
+        parent = error["loc"][:-1]
+        known = _known_fields(model, parent)
+        hint = difflib.get_close_matches(str(error["loc"][-1]), known, n=1)
+        message = f"{path}: unknown key"
+        if hint:
+            message += f" (did you mean '{_dotted((*parent, hint[0]))}'?)"
+        elif known:
+            message += f"; valid keys here: {', '.join(known)}"
+        return message
+    if kind == "missing":
+        return f"{path}: required field is missing"
+    if kind in _EXPECTED:
+        return f"{path}: {_EXPECTED[kind]}, got {given!r}"
+    if kind == "literal_error":
+        return f"{path}: expected one of {error['ctx']['expected']}, got {given!r}"
+    message = error["msg"].removeprefix("Value error, ")
+    if path == "<root>":
+        return message
+    return f"{path}: {message}, got {given!r}" if "input" in error and not isinstance(given, dict) else f"{path}: {message}"
+
+
+def _raise_config_error(exc: ValidationError, source: str | None, model: type[BaseModel]) -> None:
+    where = f" (in {source})" if source else ""
+    lines = [_describe(e, model) + where for e in exc.errors()]
+    raise ConfigError("\n".join(lines)) from None
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into (["a", "b", "c"], parsed YAML value)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. training.lr=1e-5")
+    path = key.strip().split(".")
+    if any(not part for part in path):
+        raise ConfigError(f"--set {assignment!r}: empty component in key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {assignment!r}: value is not valid YAML: {exc}") from None
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each ``key=value`` override applied (lists indexed by number)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for assignment in overrides:
+        path, value = parse_override(assignment)
+        node: Any = data
+        for depth, part in enumerate(path[:-1]):
+            where = ".".join(path[: depth + 1])
+            if isinstance(node, list):
+                node = node[_list_index(part, node, where, assignment)]
+            else:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+                if not isinstance(child, (dict, list)):
+                    raise ConfigError(f"--set {assignment!r}: {where} is a value, not a section")
+                node = child
+        last = path[-1]
+        if isinstance(node, list):
+            node[_list_index(last, node, ".".join(path), assignment)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def _list_index(part: str, node: list[Any], where: str, assignment: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"--set {assignment!r}: {where} needs an index 0..{len(node) - 1}")
+    return int(part)
+
+
+def config_from_dict(data: dict[str, Any], source: str | None = None) -> RunConfig:
+    """Validate a plain mapping into a RunConfig; errors name each bad field and `source`."""
+    if not isinstance(data, dict):
+        where = f" (in {source})" if source else ""
+        raise ConfigError(f"<root>: expected a mapping of sections, got {type(data).__name__}{where}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        _raise_config_error(exc, source, RunConfig)
+        raise AssertionError("unreachable") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the built-in demo when `path` is None) and apply ``--set`` overrides."""
+    if path is None:
+        data = demo_config().model_dump(mode="json", exclude_unset=True)
+        source = "built-in demo config"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        source = str(path)
+    if overrides:
+        if not isinstance(data, dict):
+            raise ConfigError(f"<root>: expected a mapping of sections (in {source})")
+        data = apply_overrides(data, overrides)
+        source += " with --set overrides"
+    return config_from_dict(data, source)
+
+
+def dump_config(config: RunConfig) -> str:
+    """The fully resolved config as YAML (every field, defaults included)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,245 @@
+"""Wire types: the only objects that cross process boundaries (agents <-> inference <-> trainer).
+
+Every type is a pydantic v2 model that forbids unknown fields, so a typo in a request or a
+config is an error naming the field instead of a silently ignored value. All of them round-trip
+through JSON (`model_dump_json` / `model_validate_json`).
+
+Logprob semantics (shared by every inference interface and the trainer): for completion token i,
+``logprobs[i] = log_softmax(logits_i / temperature)[token_i]`` in float32, computed *before*
+top-k / top-p filtering, so trainer and inference logprobs of the same weights agree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+RolloutStatus = Literal["ok", "placeholder", "failed"]
+
+
+class WireModel(BaseModel):
+    """Base of all wire types: unknown fields are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GenerationArgs(WireModel):
+    """Sampling parameters of one request. Immutable: derive variants with `merge` or `model_copy`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
+    max_tokens: int = Field(256, ge=1, description="Maximum number of completion tokens.")
+    stop: tuple[str, ...] = Field((), description="Strings that end the completion (not included in it).")
+    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the completion (included).")
+    seed: int | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_not_negative(cls, ids: tuple[int, ...]) -> tuple[int, ...]:
+        if any(i < 0 for i in ids):
+            raise ValueError("stop token ids must be >= 0")
+        return ids
+
+    def merge(self, other: GenerationArgs | dict[str, Any] | None) -> GenerationArgs:
+        """Return a copy with the fields *explicitly set* in `other` laid over this one."""
+        if other is None:
+            return self
+        if isinstance(other, dict):
+            other = GenerationArgs.model_validate(other)
+        overrides = {name: getattr(other, name) for name in other.model_fields_set}
+        return self.model_copy(update=overrides)
+
+
+class ChatMessage(WireModel):
+    """One message of a chat prompt."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class InferenceRequest(WireModel):
+    """A prompt (plain text or chat messages) and how to sample `n` completions of it."""
+
+    prompt: str | list[ChatMessage]
+    generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
+    n: int = Field(1, ge=1, description="Number of completions to sample for this prompt.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt: str | list[ChatMessage]) -> str | list[ChatMessage]:
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must contain at least one chat message")
+        return prompt
+
+
+class InferenceResponse(WireModel):
+    """One sampled completion, with the exact tokens and logprobs the engine produced."""
+
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = Field(description="Completion token ids only.")
+    logprobs: list[float] | None = Field(None, description="One logprob per completion token.")
+    finish_reason: FinishReason
+    policy_version: int = Field(0, ge=0, description="Version of the weights that generated it.")
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> InferenceResponse:
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}; "
+                "there must be one logprob per completion token"
+            )
+        return self
+
+
+class _RolloutBase(WireModel):
+    """Fields every rollout carries, whatever form its trajectory takes."""
+
+    reward: float = 0.0
+    env_id: str = Field(min_length=1)
+    problem_id: str = Field(min_length=1)
+    status: RolloutStatus = "ok"
+    failure_reason: str | None = None
+    truncated: bool = Field(False, description="True when the last generation hit max_tokens.")
+    policy_version: int = Field(0, ge=0, description="Oldest weight version used in the trajectory.")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_finite(cls, reward: float) -> float:
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be a finite number, got {reward}")
+        return reward
+
+    @property
+    def is_valid(self) -> bool:
+        """True for rollouts that take part in group statistics and the loss."""
+        return self.status == "ok"
+
+
+class Rollout(_RolloutBase):
+    """A text trajectory: prompt first, then alternating model / environment turns."""
+
+    kind: Literal["text"] = "text"
+    trajectory: list[str]
+
+
+class TokenRollout(_RolloutBase):
+    """A token trajectory split into segments (prompt, model turn, user turn, model turn, ...).
+
+    `generation_mask[s][i]` is True exactly for tokens the model sampled; `logprobs[s][i]` is the
+    inference engine's logprob for those tokens and 0.0 elsewhere. The token ids are the exact ids
+    the engine produced: earlier turns are never re-tokenised.
+    """
+
+    kind: Literal["token"] = "token"
+    trajectory: list[list[int]]
+    generation_mask: list[list[bool]]
+    logprobs: list[list[float]] | None = None
+    text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
+
+    @model_validator(mode="after")
+    def _segments_line_up(self) -> TokenRollout:
+        lengths = [len(s) for s in self.trajectory]
+        if [len(m) for m in self.generation_mask] != lengths:
+            raise ValueError("generation_mask must have the same segment lengths as trajectory")
+        if self.logprobs is not None and [len(lp) for lp in self.logprobs] != lengths:
+            raise ValueError("logprobs must have the same segment lengths as trajectory")
+        return self
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for segment in self.trajectory for t in segment]
+
+    @property
+    def mask(self) -> list[bool]:
+        return [m for segment in self.generation_mask for m in segment]
+
+    @property
+    def flat_logprobs(self) -> list[float] | None:
+        if self.logprobs is None:
+            return None
+        return [lp for segment in self.logprobs for lp in segment]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.mask)
+
+
+AnyRollout = Annotated[Rollout | TokenRollout, Field(discriminator="kind")]
+
+
+class RolloutGroup(WireModel):
+    """The rollouts of one prompt (a GRPO group)."""
+
+    group_id: str = Field(min_length=1)
+    rollouts: list[AnyRollout] = Field(min_length=1)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+
+class EvaluationResult(WireModel):
+    """Samples and rewards of one evaluation problem."""
+
+    problem_id: str
+    prompt: str | list[ChatMessage]
+    completions: list[str]
+    rewards: list[float]
+    greedy_completion: str | None = None
+    greedy_reward: float | None = None
+
+    @model_validator(mode="after")
+    def _one_reward_per_completion(self) -> EvaluationResult:
+        if len(self.completions) != len(self.rewards):
+            raise ValueError("completions and rewards must have the same length")
+        return self
+
+
+class EvaluationResponse(WireModel):
+    """All evaluation results of one environment, and the metrics derived from them."""
+
+    env_id: str
+    results: list[EvaluationResult]
+    correct_threshold: float = Field(1.0, description="A sample counts as correct when reward >= this.")
+    ks: list[int] = Field(default_factory=lambda: [1], description="k values to report pass@k for.")
+
+    def metrics(self) -> dict[str, float]:
+        """Mean reward, sampled accuracy, unbiased pass@k for each k <= n, and greedy accuracy."""
+        from llmrl.agents.pass_at_k import pass_at_k
+
+        metrics: dict[str, float] = {}
+        if not self.results:
+            return metrics
+        all_rewards = [r for result in self.results for r in result.rewards]
+        if all_rewards:
+            metrics["reward_mean"] = sum(all_rewards) / len(all_rewards)
+            metrics["accuracy"] = sum(r >= self.correct_threshold for r in all_rewards) / len(all_rewards)
+        for k in self.ks:
+            per_problem = []
+            for result in self.results:
+                n = len(result.rewards)
+                if k <= n:
+                    correct = sum(r >= self.correct_threshold for r in result.rewards)
+                    per_problem.append(pass_at_k(n, correct, k))
+            if per_problem:
+                metrics[f"pass@{k}"] = sum(per_problem) / len(per_problem)
+        greedy = [result.greedy_reward for result in self.results if result.greedy_reward is not None]
+        if greedy:
+            metrics["greedy_accuracy"] = sum(r >= self.correct_threshold for r in greedy) / len(greedy)
+        return metrics
