@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -410,3 +410,58 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def dump_config(config: RunConfig) -> str:
     """The fully resolved config as YAML (every field, defaults included)."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every section and field with its type, default and docstring."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from llmrl/config.py by `python -m llmrl.config > docs/configuration.md`. -->",
+        "",
+        "A run is one YAML file; every field below can also be set with `--set section.field=value`.",
+        "`llmrl config show CONFIG` prints a config with all defaults filled in.",
+    ]
+    pending: list[tuple[str, type[BaseModel], str | None]] = [("top level", RunConfig, None)]
+    while pending:
+        title, model, description = pending.pop(0)
+        lines += ["", f"## {title}", ""]
+        if description:
+            lines += [_one_line(description), ""]
+        lines += ["| field | default | description |", "|---|---|---|"]
+        prefix = "" if model is RunConfig else title.strip("`") + "."
+        for name, field in model.model_fields.items():
+            nested, is_list = _section_type(field.annotation)
+            if nested is None or is_list:
+                lines.append(f"| `{name}` | {_default_text(field)} | {_one_line(field.description)} |")
+            if nested is not None:
+                pending.append((f"`{prefix}{name}{'[]' if is_list else ''}`", nested, field.description))
+    return "\n".join(lines) + "\n"
+
+
+def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The model a field nests (directly or as list items), and whether it is a list."""
+    is_list = get_origin(annotation) is list
+    if is_list:
+        annotation = get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, is_list
+    return None, False
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json", exclude_defaults=True) or "defaults"
+        return f"`{value}`"
+    return f"`{yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}`"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

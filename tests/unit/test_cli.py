@@ -1,0 +1,50 @@
+"""The `llmrl` command: help for every subcommand, config show, clear errors and exit codes."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from llmrl.cli import EXIT_UNAVAILABLE, EXIT_USAGE, main
+
+SUBCOMMANDS = ["train", "eval", "serve-env", "serve-inference", "export", "config"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_help_for_every_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: llmrl " + command in capsys.readouterr().out
+
+
+def test_config_show_prints_resolved_config(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("environments:\n  - agent_type: arithmetic\ntraining:\n  steps: 5\n")
+    assert main(["config", "show", str(path), "--set", "training.lr=3e-4"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["training"]["steps"] == 5
+    assert shown["training"]["lr"] == 3e-4
+    assert shown["algorithm"]["advantage_estimator"] == "grpo"  # defaults are filled in
+
+
+def test_config_errors_exit_2_with_the_field_named(tmp_path, capsys):
+    assert main(["config", "show", "--set", "training.lr=fast"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "llmrl config: error: training.lr: expected a number, got 'fast'" in err
+    assert main(["config", "show", str(tmp_path / "missing.yaml")]) == EXIT_USAGE
+    assert "config file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve-inference", "--model", "tiny://arithmetic"]])
+def test_unavailable_commands_say_so(argv, capsys):
+    assert main(argv) == EXIT_UNAVAILABLE
+    assert "not part of this version yet" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    result = subprocess.run(
+        [sys.executable, "-m", "llmrl", "config", "show"], capture_output=True, text=True, check=True
+    )
+    assert yaml.safe_load(result.stdout)["model"]["spec"] == "tiny://arithmetic"
