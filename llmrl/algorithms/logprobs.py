@@ -1,0 +1,232 @@
+"""Per-token logprobs (and entropies) of sampled tokens, without materialising vocab x tokens at once.
+
+For target token ``y_t`` predicted from hidden state ``h_{t-1}``::
+
+    z        = (W h_{t-1} + b) / temperature     float32 logits, [V]
+    logprob  = log_softmax(z)[y_t]                the same number the inference engine reports
+    entropy  = -sum_v p_v log p_v, p = softmax(z)  entropy of the full distribution
+
+(`llmrl.types`: logprobs are taken of ``logits / temperature`` before any top-k/top-p filtering,
+in float32, so trainer and engine agree.)
+
+The naive ``log_softmax(logits).gather(...)`` holds a float32 ``[tokens, vocab]`` tensor twice (the
+logits and their log-softmax), plus whatever autograd saves: at 32k vocab and 4k tokens that is
+0.5 GB per copy. Here the tokens are cut into chunks; each chunk's logits are computed from the hidden
+states with the LM head (so the full logits never exist), reduced to one logprob (and entropy) per
+token, and dropped. Under autograd each chunk is checkpointed: only its hidden states are kept, and
+its logits are recomputed in the backward pass (one extra LM-head matmul per chunk, the usual price
+of "selective log-softmax" / fused linear-cross-entropy kernels). Peak memory therefore scales with
+``chunk_size x vocab``, not ``tokens x vocab``.
+
+`token_logprobs` runs a Hugging Face causal LM on a `llmrl.algorithms.packing.PackedBatch` and keeps
+only the tokens in its loss mask; `selective_log_softmax` and `logprobs_from_hidden` are the pure
+tensor functions underneath.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from llmrl.algorithms.packing import PackedBatch
+
+CHUNK_ELEMENTS = 2**24
+"""Default chunk budget in logits: 16M float32 values = 64 MB (512 tokens at a 32k vocab)."""
+
+
+def selective_log_softmax(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(logits / temperature)`` at `targets`, chunked over tokens.
+
+    Args:
+        logits: ``[..., V]`` in any float dtype (computed in float32).
+        targets: ``[...]`` token ids.
+        with_entropy: also return the entropy of each token's full distribution.
+        chunk_size: tokens per chunk; None sizes chunks to `CHUNK_ELEMENTS` logits.
+    Returns ``(logprobs, entropies)``, both float32 shaped like `targets` (entropies None unless asked).
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, logits need {tuple(logits.shape[:-1])}")
+    flat_logprobs, flat_entropies = _chunked(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        lambda x: x,
+        logits.shape[-1],
+        temperature,
+        with_entropy,
+        chunk_size,
+    )
+    return flat_logprobs.view(targets.shape), _view_or_none(flat_entropies, targets.shape)
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    lm_head_bias: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like `selective_log_softmax` of ``hidden @ lm_head_weight.T + bias``, applying the LM head per
+    chunk so the ``[..., V]`` logits are never all in memory.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states (after the model's last norm).
+        lm_head_weight: ``[V, H]``.
+        targets: ``[...]`` token ids.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, hidden needs {tuple(hidden.shape[:-1])}")
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [vocab, {hidden.shape[-1]}], got {tuple(lm_head_weight.shape)}"
+        )
+    flat_logprobs, flat_entropies = _chunked(
+        hidden.reshape(-1, hidden.shape[-1]),
+        targets.reshape(-1),
+        lambda x: F.linear(x, lm_head_weight, lm_head_bias),
+        lm_head_weight.shape[0],
+        temperature,
+        with_entropy,
+        chunk_size,
+    )
+    return flat_logprobs.view(targets.shape), _view_or_none(flat_entropies, targets.shape)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) of `batch`'s tokens under a Hugging Face causal LM.
+
+    The model sees ``input_ids`` and ``position_ids`` and no attention mask: transformers then reads
+    packed sequences from the position ids restarting at 0 and builds a block-diagonal causal mask
+    (SDPA/eager) or variable-length kernels (flash attention); see `llmrl.algorithms.packing`.
+
+    Returns ``[R, T]`` float32 tensors aligned with ``batch.input_ids``: entry ``t`` is the logprob
+    of token ``t`` given the tokens before it in its sequence, filled in where ``batch.loss_mask`` is
+    True and 0 elsewhere (the LM head only runs on those tokens).
+    """
+    _check_plain_lm_head(model)
+    backbone = model.base_model
+    lm_head = model.get_output_embeddings()
+    hidden = backbone(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None, use_cache=False
+    ).last_hidden_state  # (R, T, H)
+    # Token t+1 is predicted from position t; the first token of a sequence is never in the mask.
+    predicted = batch.loss_mask[:, 1:]  # (R, T-1)
+    logprobs, entropies = logprobs_from_hidden(
+        hidden[:, :-1][predicted],  # (N, H)
+        lm_head.weight,
+        batch.input_ids[:, 1:][predicted],  # (N,)
+        temperature,
+        lm_head_bias=lm_head.bias,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
+    if entropies is not None:
+        entropies = _scatter_shifted(entropies, predicted)
+    return _scatter_shifted(logprobs, predicted), entropies
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _chunked(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab: int,
+    temperature: float,
+    with_entropy: bool,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply `_chunk_stats` to ``[N, D]`` inputs `chunk_size` rows at a time and concatenate.
+
+    ``chunk_size=None`` picks ``CHUNK_ELEMENTS // vocab`` tokens per chunk.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_ELEMENTS // vocab)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (or None), got {chunk_size}")
+
+    def stats(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _chunk_stats(to_logits(x), y, temperature, with_entropy)
+
+    pieces = []
+    # max(N, 1): an empty input still runs once, so the result has the right dtype and graph.
+    for start in range(0, max(inputs.shape[0], 1), chunk_size):
+        x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
+        if torch.is_grad_enabled():
+            # Keep only this chunk's inputs; recompute its logits during backward.
+            pieces.append(checkpoint(stats, x, y, use_reentrant=False))
+        else:
+            pieces.append(stats(x, y))
+    logprobs = torch.cat([p[0] for p in pieces])
+    entropies = torch.cat([p[1] for p in pieces]) if with_entropy else None
+    return logprobs, entropies
+
+
+def _chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, ...]:
+    """Logprob of each target (and entropy) for one chunk of ``[n, V]`` logits."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (n, V), only this chunk
+    logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return (logprobs,)
+    # clamp: a -inf logit (a banned token) has p = 0 and must add 0, not 0 * -inf = NaN.
+    entropies = -(log_probs.exp() * log_probs.clamp(min=torch.finfo(log_probs.dtype).min)).sum(-1)
+    return logprobs, entropies
+
+
+def _view_or_none(values: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    return None if values is None else values.view(shape)
+
+
+def _scatter_shifted(values: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """Place ``[N]`` values at the True entries of ``predicted`` ``[R, T-1]``, shifted to ``[R, T]``."""
+    out = torch.zeros(predicted.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        predicted, values
+    )
+    return F.pad(out, (1, 0))  # (R, T): column 0 never has a prediction
+
+
+# Config attributes of models whose logits are not plain ``lm_head(hidden)`` (soft-capping, scaling).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _check_plain_lm_head(model: torch.nn.Module) -> None:
+    config = getattr(model, "config", None)
+    transforms = {
+        name: getattr(config, name)
+        for name in _LOGIT_TRANSFORMS
+        if getattr(config, name, None) not in (None, 1, 1.0)
+    }
+    if transforms:
+        raise ValueError(
+            f"token_logprobs applies the LM head itself and supports only logits = lm_head(hidden); "
+            f"this model also transforms its logits ({transforms})"
+        )
+    if model.get_output_embeddings() is None or model.base_model is model:
+        raise ValueError(
+            f"token_logprobs needs a causal LM with an output embedding (a ...ForCausalLM), got {type(model).__name__}"
+        )

@@ -1,0 +1,414 @@
+"""The GRPO-family policy loss: clipped surrogate, KL to a reference, entropy bonus, IS correction.
+
+Per completion token ``t`` of sequence ``i`` with advantage ``A`` and ratio ``r = pi(y_t) / pi_old(y_t)``
+(``pi_old``: the policy that the advantages were computed for, i.e. the trainer's logprobs of the
+weights that generated the rollouts), the loss to *minimise* is::
+
+    pg_t = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)         PPO, Schulman et al. 2017
+    pg_t = min(pg_t, -c * A)  where A < 0                                  dual clip, Ye et al. 2020
+    l_t  = w_t * pg_t + kl_beta * KL_t - entropy_coef * H_t                w_t: IS weight (1 without)
+
+- PPO clipped surrogate: "Proximal Policy Optimization Algorithms", arXiv:1707.06347, eq. 7.
+  Asymmetric ranges ``clip_low`` / ``clip_high`` are DAPO's clip-higher (Yu et al. 2025,
+  arXiv:2503.14476, section 3.1): a larger upper range lets unlikely tokens grow, against entropy collapse.
+- Dual clip ("Mastering Complex Control in MOBA Games with Deep RL", arXiv:1912.09729): for negative
+  advantages the unclipped ``-r * A`` grows without bound as ``r`` grows; cap it at ``-c * A``.
+- ``ratio_level="sequence"`` is GSPO (Zheng et al. 2025, arXiv:2507.18071): one length-normalised
+  ratio per sequence, ``s_i = exp(mean_t log(pi / pi_old))``, clipped as a whole. We use the
+  GSPO-token form ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]`` whose value is ``s_i`` and whose gradient
+  equals GSPO's when advantages are per sequence, and which also accepts per-token advantages.
+- KL to the reference policy, per token with ``log rho = log pi_ref - log pi`` (Schulman, "Approximating
+  KL Divergence", 2020, http://joschu.net/blog/kl-approx.html)::
+
+      k1 = -log rho                 unbiased, high variance, can be negative
+      k2 = (log rho)^2 / 2          biased, low variance
+      k3 = (rho - 1) - log rho      unbiased, low variance, always >= 0 (GRPO, DeepSeekMath eq. 4)
+
+- Entropy bonus: ``H_t`` is the entropy of the full next-token distribution (from
+  `llmrl.algorithms.logprobs`), weighted by ``entropy_coef``.
+- Trainer/inference mismatch (the engine's sampler is not the trainer's forward): with the engine's
+  logprobs ``log q``, ``is_mode="truncate"`` multiplies ``pg_t`` by the truncated importance weight
+  ``w_t = min(exp(log pi_old - log q), is_cap)`` (TIS; Yao et al. 2025, "Your Efficient RL Framework
+  Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; Ionides 2008
+  "Truncated importance sampling"). ``is_mode="mask"`` drops whole sequences whose geometric-mean
+  weight ``exp(mean_t (log pi_old - log q))`` is outside ``[1 / is_cap, is_cap]`` (masked IS).
+
+Aggregation (how the ``l_t`` become one number; ``m`` is the loss mask, ``n_i`` tokens of sequence
+``i``, ``N`` the number of sequences with at least one token in the mask)::
+
+    token_mean               sum_i sum_t l / sum_i n_i            DAPO token-level loss
+    seq_mean_token_mean      sum_i (sum_t l / n_i) / N            GRPO (DeepSeekMath eq. 3)
+    seq_mean_token_sum       sum_i sum_t l / N
+    seq_mean_token_sum_norm  sum_i sum_t l / (N * max_length)     Dr. GRPO (constant length)
+
+The denominator is the `normalizer`. Each of these counts adds up over micro-batches as long as a
+sequence is never split between two, so passing the full batch's denominator (`loss_normalizer` of
+the whole batch, or the sum of `loss_normalizer` over its micro-batches) to every micro-batch makes
+the micro-batch losses sum to the full-batch loss, and their gradients to its gradient.
+
+Inputs are ``[B, T]`` with one sequence per row, or packed rows (``[1, tokens]`` or ``[R, T]``)
+holding several sequences: then ``sequence_ids`` gives each token's sequence index, and per-sequence
+``advantages`` are indexed by it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
+RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+IS_MODES: tuple[str, ...] = ("truncate", "mask")
+
+# Log-ratios are clamped to +-LOG_RATIO_LIMIT before exp(): e^20 ~ 5e8 is far outside any clip range,
+# and one wild token must not turn the whole loss into inf/NaN.
+LOG_RATIO_LIMIT = 20.0
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_level: Literal["token", "sequence"] = "token",
+    aggregation: Aggregation = "token_mean",
+    max_length: int | None = None,
+    normalizer: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3",
+    entropies: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    inference_logprobs: torch.Tensor | None = None,
+    is_mode: Literal["truncate", "mask"] | None = None,
+    is_cap: float | None = None,
+    sequence_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy-gradient loss to minimise and its metrics (see the module docstring for formulas).
+
+    Args:
+        logprobs: ``[B, T]`` current policy logprobs of the sampled tokens (carry the gradient).
+        old_logprobs: ``[B, T]`` logprobs under the policy that produced the advantages.
+        advantages: ``[B]`` (one per row), ``[S]`` (one per sequence id, with `sequence_ids`), or
+            ``[B, T]`` per token.
+        mask: ``[B, T]`` True (or 1) on the completion tokens that the loss sees.
+        clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
+        dual_clip: constant ``c > 1`` capping the loss of negative-advantage tokens at ``-c * A``.
+        ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
+        aggregation: see the module docstring.
+        max_length: the constant length of ``seq_mean_token_sum_norm``.
+        normalizer: denominator to use instead of this batch's own (see `loss_normalizer`).
+        ref_logprobs: ``[B, T]`` reference-policy logprobs; needed when ``kl_beta > 0``.
+        kl_beta: weight of the KL penalty.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        entropies: ``[B, T]`` full-distribution entropies; needed when ``entropy_coef > 0``.
+        entropy_coef: weight of the entropy bonus.
+        inference_logprobs: ``[B, T]`` logprobs the inference engine reported; needed for `is_mode`.
+            Given without `is_mode`, they only feed the mismatch metrics.
+        is_mode: ``"truncate"`` (token IS weights capped at `is_cap`), ``"mask"`` (drop sequences whose
+            geometric-mean IS weight is outside ``[1/is_cap, is_cap]``) or None.
+        is_cap: cap (``truncate``) or threshold (``mask``); defaults to 2.0.
+        sequence_ids: ``[B, T]`` sequence index of each token for packed rows (non-negative on masked
+            tokens; anything, e.g. -1, elsewhere). None means one sequence per row.
+
+    Returns ``(loss, metrics)``: a scalar tensor and a dict of floats. Metrics are token means over
+    the masked tokens of this call unless named otherwise; ``num_tokens`` / ``num_sequences`` let a
+    caller weight them across micro-batches.
+    """
+    _check_options(
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level,
+        aggregation=aggregation, max_length=max_length, normalizer=normalizer, kl_beta=kl_beta,
+        kl_estimator=kl_estimator, entropy_coef=entropy_coef, is_mode=is_mode, is_cap=is_cap,
+    )  # fmt: skip
+    _check_shapes(logprobs, old_logprobs, mask, ref_logprobs, entropies, inference_logprobs, sequence_ids)
+    if kl_beta > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs are required when kl_beta > 0")
+    if entropy_coef > 0 and entropies is None:
+        raise ValueError("entropies are required when entropy_coef > 0")
+    if is_mode is not None and inference_logprobs is None:
+        raise ValueError(f"inference_logprobs are required when is_mode={is_mode!r}")
+    cap = 2.0 if is_cap is None else is_cap
+
+    in_mask = mask.bool()
+    m = in_mask.to(logprobs.dtype)  # (B, T) 1.0 on loss tokens
+    segment, num_segments = _segment_index(in_mask, sequence_ids)
+    tokens_per_sequence = _segment_sum(m, segment, num_segments)  # (S,)
+    # Off the mask, inputs may hold anything (padding, -inf); zero them before any exp() so garbage
+    # cannot reach the loss or put NaN into the gradient even where the loss weight is 0.
+    logprobs = torch.where(in_mask, logprobs, 0.0)
+    old_logprobs = torch.where(in_mask, old_logprobs.detach(), 0.0)  # a constant of the objective
+    advantages = torch.where(in_mask, _per_token_advantages(advantages, in_mask, segment, sequence_ids), 0.0)
+
+    token_log_ratio = _clamped(logprobs - old_logprobs)  # log pi / pi_old, (B, T)
+    if ratio_level == "sequence":
+        per_sequence = _segment_mean(token_log_ratio, segment, tokens_per_sequence)  # (S,)
+        log_ratio = per_sequence[segment].detach() + logprobs - logprobs.detach()  # GSPO-token form
+    else:
+        log_ratio = token_log_ratio
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # (B, T)
+    if dual_clip is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -dual_clip * advantages), pg)
+
+    metrics: dict[str, float] = {}
+    keep = m  # (B, T) 1.0 on tokens that stay in the loss after masked IS
+    if inference_logprobs is not None:
+        inference_logprobs = torch.where(in_mask, inference_logprobs.detach(), 0.0)
+        is_log_weight = _clamped(old_logprobs - inference_logprobs)  # log pi_old / q, (B, T)
+        is_weight = is_log_weight.exp()
+        metrics["mismatch_kl"] = _token_mean(_k3(is_log_weight), m)  # KL(q || pi_old), sampled from q
+        metrics["is_weight_mean"] = _token_mean(is_weight, m)
+        metrics["is_weight_max"] = float(is_weight[in_mask].max()) if in_mask.any() else 0.0
+        if is_mode == "truncate":
+            pg = pg * is_weight.clamp(max=cap)  # a constant weight: both logprobs are detached
+            metrics["is_truncated_frac"] = _token_mean((is_weight > cap).to(m.dtype), m)
+        elif is_mode == "mask":
+            seq_log_weight = _segment_mean(is_log_weight, segment, tokens_per_sequence)  # (S,)
+            outside = seq_log_weight.abs() > math.log(cap)  # (S,) weight outside [1/cap, cap]
+            keep = m * (~outside[segment]).to(m.dtype)
+            has_tokens = tokens_per_sequence > 0
+            metrics["is_masked_seq_frac"] = float(
+                (outside & has_tokens).sum() / has_tokens.sum().clamp(min=1)
+            )
+
+    per_token = pg
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, torch.where(in_mask, ref_logprobs.detach(), 0.0), kl_estimator)
+        metrics["ref_kl"] = _token_mean(kl, m)
+        per_token = per_token + kl_beta * kl
+    if entropies is not None:
+        entropies = torch.where(in_mask, entropies, 0.0)
+        metrics["entropy"] = _token_mean(entropies, m)
+        per_token = per_token - entropy_coef * entropies
+
+    weight = keep * _aggregation_weight(segment, tokens_per_sequence, aggregation)  # (B, T)
+    if normalizer is None:
+        # An empty mask has a zero numerator; dividing by 1 keeps the loss 0 and differentiable.
+        normalizer = max(_denominator(m.sum(), tokens_per_sequence, aggregation, max_length), 1.0)
+    loss = (per_token * weight).sum() / normalizer
+
+    with torch.no_grad():
+        metrics["loss"] = loss.detach().item()
+        metrics["pg_loss"] = float((pg * weight).sum() / normalizer)
+        metrics["ratio_mean"] = _token_mean(ratio, m)
+        metrics["clip_frac_low"] = _token_mean(((advantages < 0) & (ratio < 1.0 - clip_low)).to(m.dtype), m)
+        metrics["clip_frac_high"] = _token_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(m.dtype), m)
+        if dual_clip is not None:
+            metrics["dual_clip_frac"] = _token_mean(((advantages < 0) & (ratio > dual_clip)).to(m.dtype), m)
+        metrics["approx_kl"] = _token_mean(_k3(token_log_ratio), m)  # KL(pi_old || pi), sampled from pi_old
+        metrics["num_tokens"] = float(m.sum())
+        metrics["num_sequences"] = float((tokens_per_sequence > 0).sum())
+    return loss, metrics
+
+
+def loss_normalizer(
+    mask: torch.Tensor,
+    aggregation: Aggregation = "token_mean",
+    *,
+    max_length: int | None = None,
+    sequence_ids: torch.Tensor | None = None,
+) -> float:
+    """The denominator `policy_loss` divides by for this mask (see the module docstring).
+
+    Compute it over the *whole* batch (or sum it over the micro-batches: tokens and non-empty
+    sequences add up, provided no sequence is split between micro-batches) and pass it as
+    ``normalizer`` to each micro-batch's `policy_loss`; the micro-batch losses then sum to the
+    full-batch loss.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "seq_mean_token_sum_norm" and (max_length is None or max_length < 1):
+        raise ValueError("max_length (a positive int) is required for aggregation='seq_mean_token_sum_norm'")
+    if sequence_ids is not None and sequence_ids.shape != mask.shape:
+        raise ValueError(f"sequence_ids has shape {tuple(sequence_ids.shape)}, mask has {tuple(mask.shape)}")
+    in_mask = mask.bool()
+    segment, num_segments = _segment_index(in_mask, sequence_ids)
+    tokens_per_sequence = _segment_sum(in_mask.to(torch.float32), segment, num_segments)
+    return float(_denominator(in_mask.sum(), tokens_per_sequence, aggregation, max_length))
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' logprobs (k1, k2 or k3)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, logprobs has {tuple(logprobs.shape)}"
+        )
+    log_rho = _clamped(ref_logprobs - logprobs)  # log pi_ref / pi
+    if estimator == "k1":
+        return -log_rho
+    if estimator == "k2":
+        return 0.5 * log_rho**2
+    return _k3(log_rho)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _k3(log_rho: torch.Tensor) -> torch.Tensor:
+    return log_rho.exp() - 1.0 - log_rho
+
+
+def _clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def _token_mean(values: torch.Tensor, m: torch.Tensor) -> float:
+    with torch.no_grad():
+        count = m.sum()
+        return float(torch.where(m > 0, values, 0.0).sum() / count) if count > 0 else 0.0
+
+
+def _segment_index(in_mask: torch.Tensor, sequence_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Per-token sequence index ``[B, T]`` (valid on masked tokens, 0 elsewhere) and the index range."""
+    rows, _ = in_mask.shape
+    if sequence_ids is None:
+        return torch.arange(rows, device=in_mask.device)[:, None].expand_as(in_mask), rows
+    ids = sequence_ids.long()
+    masked_ids = ids[in_mask]
+    if masked_ids.numel() and masked_ids.min() < 0:
+        raise ValueError("sequence_ids must be >= 0 on every masked token")
+    segment = torch.where(in_mask, ids, 0)
+    return segment, int(masked_ids.max()) + 1 if masked_ids.numel() else 1
+
+
+def _segment_sum(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Sum of `values` ``[B, T]`` per segment id -> ``[num_segments]`` (differentiable)."""
+    out = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+    return out.index_add(0, segment.reshape(-1), values.reshape(-1))
+
+
+def _segment_mean(
+    values: torch.Tensor, segment: torch.Tensor, tokens_per_sequence: torch.Tensor
+) -> torch.Tensor:
+    """Mean of `values` (already zero off the mask) per segment; 0 for empty segments."""
+    sums = _segment_sum(values, segment, tokens_per_sequence.shape[0])
+    return sums / tokens_per_sequence.clamp(min=1)
+
+
+def _per_token_advantages(
+    advantages: torch.Tensor, in_mask: torch.Tensor, segment: torch.Tensor, sequence_ids: torch.Tensor | None
+) -> torch.Tensor:
+    if advantages.shape == in_mask.shape:
+        return advantages
+    if advantages.dim() == 1:
+        if sequence_ids is None:
+            if advantages.shape[0] != in_mask.shape[0]:
+                raise ValueError(
+                    f"advantages has {advantages.shape[0]} entries but the batch has {in_mask.shape[0]} rows"
+                )
+            return advantages[:, None].expand_as(in_mask)
+        needed = int(segment[in_mask].max()) + 1 if in_mask.any() else 0
+        if advantages.shape[0] < needed:
+            raise ValueError(
+                f"advantages has {advantages.shape[0]} entries but sequence_ids go up to {needed - 1}"
+            )
+        return advantages[segment]
+    raise ValueError(
+        f"advantages must be [B], [num_sequences] or [B, T] like mask {tuple(in_mask.shape)}, "
+        f"got {tuple(advantages.shape)}"
+    )
+
+
+def _aggregation_weight(
+    segment: torch.Tensor, tokens_per_sequence: torch.Tensor, aggregation: str
+) -> torch.Tensor:
+    """Per-token weight in the numerator: 1/n_i for seq_mean_token_mean, 1 otherwise."""
+    if aggregation == "seq_mean_token_mean":
+        return 1.0 / tokens_per_sequence.clamp(min=1)[segment]
+    return torch.ones_like(tokens_per_sequence)[segment]
+
+
+def _denominator(
+    num_tokens: torch.Tensor, tokens_per_sequence: torch.Tensor, aggregation: str, max_length: int | None
+) -> float:
+    if aggregation == "token_mean":
+        return float(num_tokens)
+    num_sequences = float((tokens_per_sequence > 0).sum())
+    if aggregation == "seq_mean_token_sum_norm":
+        assert max_length is not None  # checked by the callers
+        return num_sequences * max_length
+    return num_sequences
+
+
+def _check_options(
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    ratio_level: str,
+    aggregation: str,
+    max_length: int | None,
+    normalizer: float | None,
+    kl_beta: float,
+    kl_estimator: str,
+    entropy_coef: float,
+    is_mode: str | None,
+    is_cap: float | None,
+) -> None:
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(
+            f"clip_low and clip_high must be >= 0, got clip_low={clip_low}, clip_high={clip_high}"
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "seq_mean_token_sum_norm" and (max_length is None or max_length < 1):
+        raise ValueError("max_length (a positive int) is required for aggregation='seq_mean_token_sum_norm'")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0 (or None), got {normalizer}")
+    if kl_beta < 0:
+        raise ValueError(f"kl_beta must be >= 0, got {kl_beta}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if entropy_coef < 0:
+        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
+    if is_mode is not None and is_mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {is_mode!r}")
+    if is_cap is not None and not is_cap > 0:
+        raise ValueError(f"is_cap must be > 0, got {is_cap}")
+
+
+def _check_shapes(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    entropies: torch.Tensor | None,
+    inference_logprobs: torch.Tensor | None,
+    sequence_ids: torch.Tensor | None,
+) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    named = {
+        "old_logprobs": old_logprobs,
+        "mask": mask,
+        "ref_logprobs": ref_logprobs,
+        "entropies": entropies,
+        "inference_logprobs": inference_logprobs,
+        "sequence_ids": sequence_ids,
+    }
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(logprobs.shape)}")
