@@ -76,6 +76,15 @@ class InferenceRequest(WireModel):
     prompt: str | list[ChatMessage]
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
     n: int = Field(1, ge=1, description="Number of completions to sample for this prompt.")
+    prompt_token_ids: list[int] | None = Field(
+        None,
+        description=(
+            "Token ids that come before `prompt`, used verbatim (multi-turn continuation: the previous "
+            "prompt and completion ids). The engine appends the tokens of `prompt` to them: a string "
+            "tokenised without special tokens, chat messages rendered as a follow-up turn ending in the "
+            "generation prompt. The response's `prompt_token_ids` is the whole prompt, these ids first."
+        ),
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -85,6 +94,13 @@ class InferenceRequest(WireModel):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must contain at least one chat message")
         return prompt
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _prefix_ids_valid(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and (not ids or any(i < 0 for i in ids)):
+            raise ValueError("prompt_token_ids must be a non-empty list of ids >= 0 (or null)")
+        return ids
 
 
 class InferenceResponse(WireModel):

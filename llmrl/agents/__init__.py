@@ -1,0 +1,23 @@
+"""Agents: where prompts come from and how completions are scored (see docs/agents.md)."""
+
+from llmrl.agents.base import Agent, Problem, has_signal, make_prompt, placeholder_rollout
+from llmrl.agents.multi_task import WeightedMultiTask, build_agent, build_agents, largest_remainder
+from llmrl.agents.pass_at_k import PassAtKAgent, pass_at_k
+from llmrl.agents.reward_only import RewardOnlyAgent
+from llmrl.agents.sampler import EpochSampler
+
+__all__ = [
+    "Agent",
+    "EpochSampler",
+    "PassAtKAgent",
+    "Problem",
+    "RewardOnlyAgent",
+    "WeightedMultiTask",
+    "build_agent",
+    "build_agents",
+    "has_signal",
+    "largest_remainder",
+    "make_prompt",
+    "pass_at_k",
+    "placeholder_rollout",
+]

@@ -1,0 +1,100 @@
+"""The agent contract: prompts in, scored token rollouts out.
+
+An agent owns its problems and its reward; it talks to the model only through an
+`InferenceInterface` and never sees the trainer. The trainer asks for `group_rollouts` (GRPO
+groups: one problem, `group_size` samples) and `evaluate` (held-out problems, n samples each).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from llmrl.inference.interface import InferenceInterface
+from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, RolloutGroup, TokenRollout
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance: what the model is asked and what the reward checks against."""
+
+    id: str
+    """Stable identifier, unique within its environment (shows up in rollouts and logs)."""
+    prompt: str | list[ChatMessage]
+    """Plain-text prompt, or chat messages for models with a chat template."""
+    answer: Any = None
+    """The reference the reward compares with (a number, a string, a list of tests, ...)."""
+
+
+def make_prompt(text: str, *, system_prompt: str | None = None, chat: bool = True) -> str | list[ChatMessage]:
+    """Chat messages (optional system message, then the user's text) or the plain text itself."""
+    if chat:
+        system = [ChatMessage(role="system", content=system_prompt)] if system_prompt else []
+        return [*system, ChatMessage(role="user", content=text)]
+    return f"{system_prompt}\n\n{text}" if system_prompt else text
+
+
+def prompt_text(prompt: str | list[ChatMessage]) -> str:
+    """A readable one-string form of a prompt, for logs and evaluation results."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{message.role}: {message.content}" for message in prompt)
+
+
+def placeholder_rollout(env_id: str, problem_id: str, reason: str) -> TokenRollout:
+    """A rollout that stands in for one that failed: keeps group shapes, excluded from the loss."""
+    return TokenRollout(
+        trajectory=[],
+        generation_mask=[],
+        env_id=env_id,
+        problem_id=problem_id,
+        status="placeholder",
+        failure_reason=reason,
+    )
+
+
+def has_signal(group: RolloutGroup) -> bool:
+    """True when the group's valid rewards differ, i.e. GRPO advantages are not all zero."""
+    rewards = {r.reward for r in group.rollouts if r.is_valid}
+    return len(rewards) > 1
+
+
+class Agent(ABC):
+    """An environment the trainer can draw rollout groups from and evaluate on."""
+
+    env_id: str
+
+    @abstractmethod
+    async def group_rollouts(
+        self,
+        inference: InferenceInterface,
+        num_groups: int,
+        group_size: int,
+        generation_args: GenerationArgs | None = None,
+    ) -> list[RolloutGroup]:
+        """`num_groups` training problems, `group_size` scored samples each; never raises for one bad sample."""
+
+    @abstractmethod
+    async def evaluate(
+        self,
+        inference: InferenceInterface,
+        num_prompts: int,
+        *,
+        samples_per_prompt: int = 1,
+        greedy: bool = False,
+        generation_args: GenerationArgs | None = None,
+    ) -> EvaluationResponse:
+        """The first `num_prompts` held-out problems, sampled `samples_per_prompt` times (plus greedily)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must save to resume the problem order."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`."""
+        del state
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Counters (failures, placeholders, ...) accumulated since the last call."""
+        return {}

@@ -1,0 +1,419 @@
+"""Reward-only agents: a problem set and a reward function, single- or multi-turn.
+
+A subclass gives `prompts()` (the problems) and `reward(response, problem)`; for multi-turn
+environments also `observe(turn, response, problem)`, which returns the next user message or None
+to stop. Everything else is done here:
+
+* problems are split once into a fixed held-out evaluation set and a training set, and training
+  problems are drawn by a seeded `EpochSampler` (no repeats within an epoch, resumable);
+* all requests of a call are issued at once (`asyncio.gather`), one request with ``n=group_size``
+  per group, so the engine batches them and shares each prompt's prefill;
+* a multi-turn episode is continued at the token level: the next request carries the exact ids
+  so far in `prompt_token_ids`, so earlier turns are never re-tokenised, and only the model's own
+  tokens are marked in the generation mask;
+* failures are isolated: an exception or a timeout in inference, `observe` or `reward` turns the
+  affected rollouts into placeholders (`status="placeholder"`, `failure_reason`), counted in
+  `pop_metrics()` and logged, while the rest of the group and batch go on.
+
+Rewards and observations run in their own threads (`reward_concurrency` at a time) under
+`reward_timeout_s`; a function that never returns leaks its thread but not the run. Coroutine
+functions are awaited directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import random
+import threading
+from abc import abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text
+from llmrl.agents.sampler import EpochSampler
+from llmrl.inference.interface import InferenceInterface
+from llmrl.types import (
+    ChatMessage,
+    EvaluationResponse,
+    EvaluationResult,
+    GenerationArgs,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutGroup,
+    TokenRollout,
+)
+
+log = logging.getLogger(__name__)
+
+# The held-out split must not move when the run seed changes, or evaluations of different seeds
+# would not be comparable; it depends only on the problem list.
+_HELD_OUT_SEED = "llmrl-held-out"
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run `fn(*args)` in a fresh daemon thread; a thread that hangs is abandoned, not waited for.
+
+    A shared executor would let one hung reward occupy a worker forever and make later rewards
+    queue (and time out) behind it.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled by a timeout
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while we ran: nobody is waiting any more
+            pass
+
+    threading.Thread(target=target, daemon=True, name=f"llmrl-env-{getattr(fn, '__name__', 'call')}").start()
+    return future
+
+
+class RewardOnlyAgent(Agent):
+    """Base of environments defined by a problem list and a reward (optionally multi-turn)."""
+
+    def __init__(
+        self,
+        *,
+        env_id: str | None = None,
+        seed: int = 0,
+        eval_size: int = 64,
+        max_turns: int = 1,
+        reward_timeout_s: float = 60.0,
+        inference_timeout_s: float | None = 600.0,
+        reward_concurrency: int = 8,
+        generation_args: dict[str, Any] | GenerationArgs | None = None,
+    ):
+        """
+        Args:
+            env_id: name in rollouts, metrics and logs (default: the class name).
+            seed: seed of the training problem order.
+            eval_size: problems held out for evaluation when `eval_prompts()` gives none.
+            max_turns: most model turns per episode (1 = single-turn).
+            reward_timeout_s: limit of one `reward` or `observe` call.
+            inference_timeout_s: limit of one inference request (None = no limit).
+            reward_concurrency: rewards/observations computed at once.
+            generation_args: sampling fields this environment sets over the caller's (e.g. max_tokens).
+        """
+        if eval_size < 0:
+            raise ValueError(f"eval_size must be >= 0, got {eval_size}")
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if reward_timeout_s <= 0:
+            raise ValueError(f"reward_timeout_s must be > 0, got {reward_timeout_s}")
+        if inference_timeout_s is not None and inference_timeout_s <= 0:
+            raise ValueError(f"inference_timeout_s must be > 0 or null, got {inference_timeout_s}")
+        if reward_concurrency < 1:
+            raise ValueError(f"reward_concurrency must be >= 1, got {reward_concurrency}")
+        self.env_id = env_id or type(self).__name__
+        self.seed = seed
+        self.eval_size = eval_size
+        self.max_turns = max_turns
+        self.reward_timeout_s = reward_timeout_s
+        self.inference_timeout_s = inference_timeout_s
+        self.reward_concurrency = reward_concurrency
+        try:
+            self.generation_args = GenerationArgs.model_validate(generation_args or {})
+        except ValidationError as exc:
+            problems = "; ".join(f"generation_args.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(problems) from None
+        self._counters: Counter[str] = Counter()
+        self._groups_drawn = 0
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- what a subclass provides -------------------------------------------------------------
+
+    @abstractmethod
+    def prompts(self) -> Sequence[Problem]:
+        """All problems (training ones, plus the held-out ones unless `eval_prompts` gives them)."""
+
+    def eval_prompts(self) -> Sequence[Problem] | None:
+        """A separate evaluation set; None carves `eval_size` problems out of `prompts()`."""
+        return None
+
+    @abstractmethod
+    def reward(self, response: InferenceResponse, problem: Problem) -> float:
+        """Score of the episode's last model turn."""
+
+    def observe(self, turn: int, response: InferenceResponse, problem: Problem) -> str | None:
+        """The user's reply to model turn `turn` (0-based), or None to end the episode."""
+        del turn, response, problem
+        return None
+
+    # ---- problem splits -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _splits(self) -> tuple[list[Problem], list[Problem]]:
+        problems = list(self.prompts())
+        held_out = self.eval_prompts()
+        for name, items in (("prompts()", problems), ("eval_prompts()", held_out or [])):
+            repeated = sorted(i for i, count in Counter(p.id for p in items).items() if count > 1)
+            if repeated:
+                raise ValueError(f"{self.env_id}: {name} has repeated problem ids, e.g. {repeated[:5]}")
+        if held_out is not None:
+            train, evaluation = problems, list(held_out)
+        else:
+            if len(problems) <= self.eval_size:
+                raise ValueError(
+                    f"{self.env_id}: eval_size={self.eval_size} leaves no training problems out of "
+                    f"{len(problems)}; lower eval_size or give a separate evaluation set"
+                )
+            order = list(range(len(problems)))
+            random.Random(_HELD_OUT_SEED).shuffle(order)
+            chosen = set(order[: self.eval_size])
+            evaluation = [p for i, p in enumerate(problems) if i in chosen]
+            train = [p for i, p in enumerate(problems) if i not in chosen]
+        if not train:
+            raise ValueError(f"{self.env_id}: no training problems")
+        return train, evaluation
+
+    @property
+    def train_problems(self) -> list[Problem]:
+        return self._splits[0]
+
+    @property
+    def eval_problems(self) -> list[Problem]:
+        return self._splits[1]
+
+    @functools.cached_property
+    def _sampler(self) -> EpochSampler:
+        return EpochSampler(len(self.train_problems), seed=self.seed)
+
+    # ---- the Agent contract ----------------------------------------------------------------------
+
+    async def group_rollouts(
+        self,
+        inference: InferenceInterface,
+        num_groups: int,
+        group_size: int,
+        generation_args: GenerationArgs | None = None,
+    ) -> list[RolloutGroup]:
+        if num_groups < 0 or group_size < 1:
+            raise ValueError(f"need num_groups >= 0 and group_size >= 1, got {num_groups} and {group_size}")
+        args = self._sampling_args(generation_args)
+        problems = [self.train_problems[i] for i in self._sampler.take(num_groups)]
+        first = self._groups_drawn
+        self._groups_drawn += num_groups
+        samples = await asyncio.gather(*(self._sample(inference, p, group_size, args) for p in problems))
+        return [
+            RolloutGroup(group_id=f"{self.env_id}/{first + i}", rollouts=rollouts)
+            for i, rollouts in enumerate(samples)
+        ]
+
+    async def evaluate(
+        self,
+        inference: InferenceInterface,
+        num_prompts: int,
+        *,
+        samples_per_prompt: int = 1,
+        greedy: bool = False,
+        generation_args: GenerationArgs | None = None,
+    ) -> EvaluationResponse:
+        if num_prompts < 1 or samples_per_prompt < 1:
+            raise ValueError(
+                f"need num_prompts >= 1 and samples_per_prompt >= 1, got {num_prompts} and {samples_per_prompt}"
+            )
+        args = self._sampling_args(generation_args)
+        greedy_args = args.model_copy(update={"temperature": 0.0})
+
+        async def evaluate_one(problem: Problem) -> EvaluationResult:
+            requests = [self._sample(inference, problem, samples_per_prompt, args)]
+            if greedy:
+                requests.append(self._sample(inference, problem, 1, greedy_args))
+            sampled, *greedy_sample = await asyncio.gather(*requests)
+            best = greedy_sample[0][0] if greedy_sample else None
+            return EvaluationResult(
+                problem_id=problem.id,
+                prompt=problem.prompt,
+                completions=[_completion_text(r) for r in sampled],
+                rewards=[r.reward for r in sampled],
+                greedy_completion=_completion_text(best) if best else None,
+                greedy_reward=best.reward if best else None,
+            )
+
+        results = await asyncio.gather(*(evaluate_one(p) for p in self.eval_problems[:num_prompts]))
+        return EvaluationResponse(env_id=self.env_id, results=list(results))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self._sampler.state_dict(), "groups_drawn": self._groups_drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sampler.load_state_dict(state["sampler"])
+        self._groups_drawn = state["groups_drawn"]
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics = {key: float(count) for key, count in self._counters.items()}
+        self._counters.clear()
+        return metrics
+
+    # ---- one problem, n samples ------------------------------------------------------------------
+
+    def _sampling_args(self, caller: GenerationArgs | None) -> GenerationArgs:
+        return (caller or GenerationArgs()).merge(self.generation_args)
+
+    async def _sample(
+        self, inference: InferenceInterface, problem: Problem, n: int, args: GenerationArgs
+    ) -> list[TokenRollout]:
+        """`n` finished episodes of `problem`; failures become placeholders, never exceptions."""
+        try:
+            responses = await self._generate(
+                inference, InferenceRequest(prompt=problem.prompt, generation_args=args, n=n)
+            )
+        except Exception as exc:
+            reason = self._record_failure("inference", problem, exc, count=n)
+            return [placeholder_rollout(self.env_id, problem.id, reason) for _ in range(n)]
+        return list(
+            await asyncio.gather(*(self._finish_episode(inference, problem, r, args) for r in responses))
+        )
+
+    async def _generate(
+        self, inference: InferenceInterface, request: InferenceRequest
+    ) -> list[InferenceResponse]:
+        responses = await asyncio.wait_for(inference.agenerate(request), self.inference_timeout_s)
+        if len(responses) != request.n:
+            raise RuntimeError(f"asked for {request.n} completions, got {len(responses)}")
+        return responses
+
+    async def _finish_episode(
+        self,
+        inference: InferenceInterface,
+        problem: Problem,
+        response: InferenceResponse,
+        args: GenerationArgs,
+    ) -> TokenRollout:
+        """Continue the episode from its first model turn (multi-turn), then score it."""
+        trajectory = _Trajectory(problem, response)
+        stage = "observe"
+        try:
+            for turn in range(self.max_turns - 1):
+                message = await self._call_env(self.observe, turn, response, problem)
+                if message is None:
+                    break
+                if not isinstance(message, str):
+                    raise TypeError(f"observe() must return a string or None, got {type(message).__name__}")
+                stage = "inference"
+                follow_up = (
+                    message
+                    if isinstance(problem.prompt, str)
+                    else [ChatMessage(role="user", content=message)]
+                )
+                prefix = trajectory.tokens
+                request = InferenceRequest(
+                    prompt=follow_up, prompt_token_ids=prefix, generation_args=args, n=1
+                )
+                (response,) = await self._generate(inference, request)
+                trajectory.add_turn(message, response)
+                stage = "observe"
+            stage = "reward"
+            reward = await self._call_env(self.reward, response, problem)
+            return trajectory.rollout(self.env_id, float(reward))
+        except Exception as exc:
+            reason = self._record_failure(stage, problem, exc, count=1)
+            return placeholder_rollout(self.env_id, problem.id, reason)
+
+    def _reward_slots(self) -> asyncio.Semaphore:
+        # A semaphore belongs to one event loop; the sync entry points start a new loop per call.
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:
+            self._slots, self._slots_loop = asyncio.Semaphore(self.reward_concurrency), loop
+        return self._slots
+
+    async def _call_env(self, fn: Callable[..., Any], *args: Any) -> Any:
+        async with self._reward_slots():
+            call = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
+            return await asyncio.wait_for(call, self.reward_timeout_s)
+
+    def _record_failure(self, stage: str, problem: Problem, exc: BaseException, *, count: int) -> str:
+        if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+            limit = self.inference_timeout_s if stage == "inference" else self.reward_timeout_s
+            reason = f"{stage}: timed out after {limit} s"
+        else:
+            reason = f"{stage}: {type(exc).__name__}: {exc}"[:500]
+        self._counters[f"failures/{stage}"] += 1
+        self._counters["placeholders"] += count
+        log.warning(
+            "%s: problem %s: %s (%d rollout(s) replaced by placeholders)",
+            self.env_id,
+            problem.id,
+            reason,
+            count,
+        )
+        return reason
+
+
+class _Trajectory:
+    """Token segments of one episode: prompt, model turn, user turn, model turn, ..."""
+
+    def __init__(self, problem: Problem, first: InferenceResponse):
+        self.problem = problem
+        self.segments: list[list[int]] = [list(first.prompt_token_ids)]
+        self.masks: list[list[bool]] = [[False] * len(first.prompt_token_ids)]
+        self.logprobs: list[list[float]] | None = [[0.0] * len(first.prompt_token_ids)]
+        self.texts: list[str] = [prompt_text(problem.prompt)]
+        self.policy_version = first.policy_version
+        self._add_completion(first)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for segment in self.segments for t in segment]
+
+    def _add(self, ids: list[int], generated: bool, logprobs: list[float] | None, text: str) -> None:
+        self.segments.append(list(ids))
+        self.masks.append([generated] * len(ids))
+        self.texts.append(text)
+        if self.logprobs is not None and (logprobs is not None or not generated):
+            self.logprobs.append(list(logprobs) if generated else [0.0] * len(ids))
+        else:  # an engine that returns no logprobs for one turn leaves the trajectory without them
+            self.logprobs = None
+
+    def _add_completion(self, response: InferenceResponse) -> None:
+        self._add(response.token_ids, True, response.logprobs, response.text)
+        self.policy_version = min(self.policy_version, response.policy_version)
+        self.last = response
+
+    def add_turn(self, message: str, response: InferenceResponse) -> None:
+        """Append the user's message (as the engine tokenised it after our exact prefix) and the reply."""
+        prefix = self.tokens
+        if response.prompt_token_ids[: len(prefix)] != prefix:
+            raise RuntimeError(
+                "the inference engine did not continue from prompt_token_ids (earlier turns changed)"
+            )
+        self._add(response.prompt_token_ids[len(prefix) :], False, None, message)
+        self._add_completion(response)
+
+    def rollout(self, env_id: str, reward: float) -> TokenRollout:
+        return TokenRollout(
+            trajectory=self.segments,
+            generation_mask=self.masks,
+            logprobs=self.logprobs,
+            text=self.texts,
+            reward=reward,
+            env_id=env_id,
+            problem_id=self.problem.id,
+            truncated=self.last.finish_reason == "length",
+            policy_version=self.policy_version,
+        )
+
+
+def _completion_text(rollout: TokenRollout) -> str:
+    """Everything after the prompt (all turns), or '' for a placeholder."""
+    return "".join(rollout.text[1:]) if rollout.text else ""

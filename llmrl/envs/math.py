@@ -1,0 +1,127 @@
+"""Math word problems (MATH, GSM8K): the marked final answer, checked for equivalence with math-verify.
+
+The completion's answer is the last ``\\boxed{...}``, else the last ``<answer>...</answer>``, else
+what follows GSM8K's last ``####``; a completion that marks none scores 0. The answer and the
+reference are parsed as LaTeX by `math-verify` (Hugging Face) and compared symbolically
+(``\\frac{1}{2}`` = ``0.5``, ``1,000`` = ``1000``, ``x+1`` = ``1+x``).
+
+Optional penalties, subtracted from the 0/1 correctness: `truncation_penalty` for a completion
+that hit max_tokens, `trailing_penalty` for text after the marked answer (rambling on after
+answering).
+
+math-verify's own timeouts use SIGALRM, which only works in the main thread; rewards run in worker
+threads under the agent's `reward_timeout_s`, so they are turned off here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from llmrl.agents.base import Problem
+from llmrl.agents.dataset import DatasetAgent, extract_answer, normalize_answer, packaged_data
+from llmrl.types import InferenceResponse
+
+INSTRUCTION = "Reason step by step, and put your final answer within \\boxed{{}}."
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse(answer: str) -> tuple:
+    from math_verify import parse  # deferred: math-verify pulls in sympy (about a second)
+
+    latex = answer if "$" in answer else f"${answer}$"
+    return tuple(parse(latex, parsing_timeout=None))
+
+
+def is_equivalent(reference: str, answer: str) -> bool:
+    """True when `answer` is mathematically the same as `reference` (string match if either won't parse)."""
+    from math_verify import verify
+
+    gold, guess = _parse(reference), _parse(answer)
+    if not gold or not guess:
+        return normalize_answer(reference) == normalize_answer(answer)
+    return verify(list(gold), list(guess), timeout_seconds=None)
+
+
+def math_reward(
+    text: str,
+    reference: str,
+    *,
+    truncated: bool = False,
+    truncation_penalty: float = 0.0,
+    trailing_penalty: float = 0.0,
+) -> float:
+    """1 for a correct marked answer, else 0, minus the truncation or trailing-text penalty."""
+    marked = extract_answer(text)
+    reward = float(marked is not None and is_equivalent(reference, marked[0]))
+    if truncated:
+        reward -= truncation_penalty
+    elif marked is not None and text[marked[1] :].strip():
+        reward -= trailing_penalty
+    return reward
+
+
+class MathAgent(DatasetAgent):
+    """MATH-style problems (a ``problem`` and a worked ``solution`` ending in ``\\boxed{}``)."""
+
+    default_data = ("math_train.jsonl", "math_test.jsonl")
+    """Packaged training and evaluation files used when the config names no data."""
+
+    def __init__(
+        self,
+        *,
+        data_files: str | list[str] | None = None,
+        eval_data_files: str | list[str] | None = None,
+        prompt_column: str = "problem",
+        answer_column: str = "solution",
+        prompt_template: str = "{prompt}\n\n" + INSTRUCTION,
+        truncation_penalty: float = 0.0,
+        trailing_penalty: float = 0.0,
+        **kwargs: Any,
+    ):
+        """
+        Args:
+            data_files / eval_data_files: local data (default: the small fixture shipped with llmrl,
+                unless `path` names a hub dataset).
+            truncation_penalty / trailing_penalty: subtracted from the reward (see the module docstring).
+            **kwargs: `DatasetAgent` options (path, split, system_prompt, chat, eval_size, ...).
+        """
+        if truncation_penalty < 0 or trailing_penalty < 0:
+            raise ValueError("truncation_penalty and trailing_penalty must be >= 0")
+        self.truncation_penalty = truncation_penalty
+        self.trailing_penalty = trailing_penalty
+        if data_files is None and kwargs.get("path") is None:
+            data_files = packaged_data(self.default_data[0])
+            eval_data_files = eval_data_files or packaged_data(self.default_data[1])
+        super().__init__(
+            data_files=data_files,
+            eval_data_files=eval_data_files,
+            prompt_column=prompt_column,
+            answer_column=answer_column,
+            prompt_template=prompt_template,
+            **kwargs,
+        )
+
+    def answer_from_row(self, row: dict[str, Any]) -> str:
+        """The final answer of a worked solution (its boxed or #### answer), or the whole cell."""
+        solution = str(row[self.answer_column])
+        marked = extract_answer(solution)
+        return marked[0] if marked else solution.strip()
+
+    def reward(self, response: InferenceResponse, problem: Problem) -> float:
+        return math_reward(
+            response.text,
+            problem.answer,
+            truncated=response.finish_reason == "length",
+            truncation_penalty=self.truncation_penalty,
+            trailing_penalty=self.trailing_penalty,
+        )
+
+
+class GSM8KAgent(MathAgent):
+    """GSM8K: ``question`` and an ``answer`` whose last line is ``#### <number>``."""
+
+    default_data = ("gsm8k_train.jsonl", "gsm8k_test.jsonl")
+
+    def __init__(self, *, prompt_column: str = "question", answer_column: str = "answer", **kwargs: Any):
+        super().__init__(prompt_column=prompt_column, answer_column=answer_column, **kwargs)

@@ -1,0 +1,28 @@
+"""Shared fixtures.
+
+The tiny-model fixtures build the embedded default model on first use (about a minute on one CPU
+core) into ``$LLMRL_CACHE_DIR`` (CI points it at a folder inside the clone, so a CI run builds it
+once) or ``~/.cache/llmrl``, and reuse it afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """Folder of `tiny://arithmetic`; tests that train load their own copy from it."""
+    from llmrl.models import tiny_model_path
+
+    return tiny_model_path("arithmetic")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path):
+    """(model, tokenizer) of `tiny://arithmetic`, shared by the whole session: never train it in place."""
+    from llmrl.models import load_model
+
+    return load_model("tiny://arithmetic")

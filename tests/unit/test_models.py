@@ -1,0 +1,295 @@
+"""The embedded tiny model (llmrl/models/tiny.py) and `load_model` (llmrl/models/loading.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+
+import pytest
+import torch
+
+from llmrl.envs.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
+from llmrl.models import TINY_MODELS, export_model, load_model, resolve_model_spec, tiny
+from llmrl.models.tiny import BUILD_INFO, IM_END, PAD_TOKEN, TinyRecipe, build_tiny_model, tiny_model_path
+
+# A recipe that builds in about a second: same tokenizer and code path, a toy network and 3 steps.
+MICRO = dataclasses.replace(
+    TinyRecipe(),
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    max_steps=3,
+    check_every=2,
+    batch_size=4,
+    validation_problems=8,
+    eval_problems=8,
+)
+
+
+@pytest.fixture(scope="module")
+def micro_build(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro-a")
+    return path, build_tiny_model(path, MICRO)
+
+
+@pytest.fixture
+def micro_registry(monkeypatch, tmp_path):
+    """`tiny://micro` resolves to MICRO, cached under a fresh folder; counts the builds."""
+    monkeypatch.setitem(TINY_MODELS, "micro", MICRO)
+    monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path / "cache"))
+    builds = []
+    real_build = tiny.build_tiny_model
+
+    def counting_build(output_dir, recipe):
+        builds.append(recipe)
+        return real_build(output_dir, recipe)
+
+    monkeypatch.setattr(tiny, "build_tiny_model", counting_build)
+    return builds
+
+
+def file_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != BUILD_INFO}
+
+
+# --- build: determinism and cache ------------------------------------------------------------
+
+
+def test_build_is_bitwise_deterministic(micro_build, tmp_path):
+    first, _ = micro_build
+    build_tiny_model(tmp_path, MICRO)
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= set(file_bytes(first))
+    assert file_bytes(tmp_path) == file_bytes(first)
+
+
+def test_build_restores_torch_settings_and_follows_the_seed(micro_build, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(MICRO.threads + 1)  # not the build's own setting
+    try:
+        torch.manual_seed(123)
+        expected_next = torch.rand(1)
+        torch.manual_seed(123)
+        build_tiny_model(tmp_path, dataclasses.replace(MICRO, seed=1))
+        assert torch.rand(1) == expected_next  # the build drew from its own, forked RNG
+        assert torch.get_num_threads() == MICRO.threads + 1
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_num_threads(threads)
+    assert file_bytes(tmp_path)["model.safetensors"] != file_bytes(micro_build[0])["model.safetensors"]
+
+
+def test_build_info_records_the_run(micro_build):
+    path, info = micro_build
+    assert json.loads((path / BUILD_INFO).read_text()) == info
+    assert info["recipe_id"] == MICRO.recipe_id and info["recipe"]["max_steps"] == 3
+    assert [c["step"] for c in info["checks"]] == [2, 3] and info["warmup_steps_run"] == 3
+    assert info["heldout_problems"] == 8 and 0.0 <= info["heldout_sampled_accuracy"] <= 1.0
+    assert info["params"] == sum(p.numel() for p in load_model(str(path))[0].parameters())
+
+
+def test_warmup_stops_at_the_first_check_that_reaches_the_target(micro_build):
+    model, tokenizer = load_model(str(micro_build[0]))
+    checks = tiny.train_warmup(model, tokenizer, dataclasses.replace(MICRO, target_accuracy=0.0, max_steps=50))
+    assert [c["step"] for c in checks] == [MICRO.check_every]
+    assert 0.0 < checks[0]["expected_accuracy"] < 1.0 and checks[0]["loss"] > 0
+
+
+def test_recipe_id_changes_with_the_recipe():
+    assert TinyRecipe().recipe_id == TinyRecipe().recipe_id
+    assert dataclasses.replace(TinyRecipe(), max_steps=5).recipe_id != TinyRecipe().recipe_id
+
+
+def test_cache_builds_once_and_is_reused(micro_registry, tmp_path):
+    leftover = tmp_path / "cache" / f".tiny-micro-v{tiny.RECIPE_VERSION}-{MICRO.recipe_id}-killedbuild"
+    leftover.mkdir(parents=True)
+    path = tiny_model_path("micro")
+    assert path.parent == tmp_path / "cache" and MICRO.recipe_id in path.name
+    assert tiny_model_path("micro") == path
+    model, tokenizer = load_model("tiny://micro")
+    assert model.config.hidden_size == 32 and tokenizer.eos_token == IM_END
+    assert len(micro_registry) == 1
+    # Nothing but the model folder and the lock file is left, not even a killed build's staging folder.
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f".{path.name}.lock"])
+
+
+def test_concurrent_callers_build_once(micro_registry):
+    paths, errors = [], []
+
+    def call():
+        try:
+            paths.append(tiny_model_path("micro"))
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(set(paths)) == 1 and len(micro_registry) == 1
+
+
+def test_rebuild_replaces_the_cached_folder(micro_registry):
+    path = tiny_model_path("micro")
+    (path / "stale-marker").write_text("x")
+    assert tiny_model_path("micro", rebuild=True) == path
+    assert not (path / "stale-marker").exists() and (path / BUILD_INFO).is_file()
+    assert len(micro_registry) == 2
+
+
+def test_export_writes_a_plain_folder_that_loads_back(micro_registry, tmp_path):
+    out = export_model("tiny://micro", tmp_path / "exported", dtype="bfloat16")
+    exported, tokenizer = load_model(str(out))
+    original, _ = load_model("tiny://micro")
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor.to(torch.bfloat16)), name
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
+        "<|im_start|>user"
+    )
+    with pytest.raises(ValueError, match="must not exist or be empty"):
+        export_model("tiny://micro", out)
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path))
+    assert tiny.cache_root() == tmp_path
+    monkeypatch.delenv("LLMRL_CACHE_DIR")
+    assert tiny.cache_root().parts[-2:] == (".cache", "llmrl")
+
+
+# --- load_model errors -------------------------------------------------------------------------
+
+
+def test_unknown_tiny_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"tiny://nope.*valid tiny models: tiny://arithmetic"):
+        load_model("tiny://nope")
+
+
+@pytest.mark.parametrize("spec", ["./no/such/model", "/no/such/model", "~/no-such-model-here/x", "a//b", "x y"])
+def test_missing_local_folder_is_a_clear_error(spec):
+    with pytest.raises(ValueError, match="no such local folder"):
+        load_model(spec)
+
+
+def test_file_instead_of_folder_is_an_error(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file"):
+        load_model(str(tmp_path / "weights.bin"))
+
+
+@pytest.mark.parametrize("spec", ["", "   ", None])
+def test_empty_spec_is_an_error(spec):
+    with pytest.raises(ValueError, match="non-empty string"):
+        load_model(spec)
+
+
+@pytest.mark.parametrize("spec", ["Qwen/Qwen2.5-0.5B-Instruct", "gpt2", "org/model_v1.5"])
+def test_hub_ids_pass_through_to_transformers(spec):
+    assert resolve_model_spec(spec) == spec
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", torch.int64])
+def test_bad_dtype_names_the_argument(dtype):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
+        load_model("tiny://arithmetic", dtype=dtype)
+
+
+# --- the real tiny://arithmetic ------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_any_text(tiny_model):
+    _, tokenizer = tiny_model
+    for text in [
+        "What is 23 + 45?",
+        "Natalia sold 48 clips in April.\n\n#### 72",
+        "héllo wörld — ünïcode ✓ 😀 中文",
+        "def f(x):\n\treturn x ** 2  # square\r\n",
+        "   leading and trailing spaces   ",
+        "\x00\x7f",
+    ]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_splits_digits_one_per_token(tiny_model):
+    _, tokenizer = tiny_model
+    text = "In 2024, 1234567 + 89 = 1234656 and x10y"
+    tokens = [tokenizer.decode([i]) for i in tokenizer.encode(text, add_special_tokens=False)]
+    assert all(len(re.findall(r"\d", t)) <= 1 for t in tokens)
+    assert [t for t in tokens if t.isdigit()] == list(re.sub(r"\D", "", text))
+
+
+def test_tokenizer_is_small_and_has_pad_and_eos(tiny_model):
+    model, tokenizer = tiny_model
+    assert 512 <= len(tokenizer) <= 1024 == TINY_MODELS["arithmetic"].vocab_size
+    assert (tokenizer.pad_token, tokenizer.eos_token) == (PAD_TOKEN, IM_END)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    for special in (PAD_TOKEN, "<|im_start|>", IM_END):
+        assert len(tokenizer.encode(special, add_special_tokens=False)) == 1
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_chat_template_is_chatml(tiny_model):
+    _, tokenizer = tiny_model
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 2?"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == rendered + "<|im_start|>assistant\n"
+
+
+def test_prompt_then_answer_tokens_equal_the_whole_text(tiny_model):
+    """Trainer and engine concatenate prompt and completion ids; that must equal tokenising the text."""
+    _, tokenizer = tiny_model
+    messages = [m.model_dump() for m in prompt_messages(ArithmeticProblem.of(23, "+", 45))]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tokenizer.encode("68" + IM_END, add_special_tokens=False)
+    assert tokenizer.encode(prompt + "68" + IM_END, add_special_tokens=False) == prompt_ids + answer_ids
+
+
+def test_model_shape_and_size(tiny_model):
+    model, tokenizer = tiny_model
+    recipe = TINY_MODELS["arithmetic"]
+    config = model.config
+    assert type(model).__name__ == "Qwen2ForCausalLM" and not model.training
+    assert (config.hidden_size, config.num_hidden_layers) == (recipe.hidden_size, recipe.num_layers)
+    assert config.max_position_embeddings == recipe.context_length and config.vocab_size == len(tokenizer)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert 500_000 <= sum(p.numel() for p in model.parameters()) <= 5_000_000
+
+
+def test_load_model_honours_dtype(tiny_model_path):
+    model, _ = load_model(str(tiny_model_path), dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_warmed_up_model_is_partly_right(tiny_model, tiny_model_path):
+    """GRPO needs signal: answers in the right format, some right and some wrong."""
+    info = json.loads((tiny_model_path / BUILD_INFO).read_text())
+    assert info["reached_target"]
+    assert 0.15 <= info["heldout_sampled_accuracy"] <= 0.5
+    model, tokenizer = tiny_model
+    problems = sample_problems(32, split="test", seed=11)
+    batch = tokenizer(
+        [
+            tokenizer.apply_chat_template([m.model_dump() for m in prompt_messages(p)], tokenize=False,
+                                          add_generation_prompt=True)
+            for p in problems
+        ],
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        output = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    completions = output[:, batch["input_ids"].shape[1] :]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    assert all(re.fullmatch(r"\d{2,3}", t) for t in texts), texts
+    assert all(tokenizer.eos_token_id in row.tolist() for row in completions)
+    assert 0 < sum(int(t) == p.answer for t, p in zip(texts, problems, strict=True)) < len(problems)
