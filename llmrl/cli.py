@@ -14,11 +14,13 @@ commands whose machinery is not part of this version say so and exit with status
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from llmrl.config import ConfigError, dump_config, load_config
-from llmrl.registry import RegistryError
+from llmrl.config import RunConfig, dump_config, load_config
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
@@ -54,14 +56,57 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    _load(args)
-    raise NotAvailableError("`llmrl train` needs the trainer, which is not part of this version yet")
+def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
+    """Build the config's agents and inference, evaluate every environment and print the table."""
+    from rich.console import Console
+
+    from llmrl.agents import build_agents
+    from llmrl.evaluation import evaluate_environments, summary_table
+    from llmrl.inference import build_inference, run_sync
+    from llmrl.registry import import_plugins
+
+    import_plugins(config.plugins)
+    agents = build_agents(config.environments, config.seed)
+    inference = build_inference(config.inference, config.model, seed=config.seed)
+    summary = run_sync(
+        evaluate_environments(agents, inference, config.evaluation, config.inference.generation)
+    )
+    # Off a terminal rich assumes 80 columns and would abbreviate the metric names.
+    Console(width=None if sys.stdout.isatty() else 120).print(summary_table(summary, title))
+    return summary
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    _load(args)
-    raise NotAvailableError("`llmrl eval` needs the evaluation agents, which are not part of this version yet")
+    config = _load(args)
+    summary = _evaluate(config, f"evaluation of {config.model.spec}")
+    out = Path(config.run_dir) / "eval.json"
+    _write_json(out, {"model": config.model.spec, "evaluation": summary})
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    config = _load(args)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    started = time.perf_counter()
+    summary = _evaluate(config, f"starting policy: {config.model.spec}")
+    _write_json(
+        run_dir / "summary.json",
+        {"eval_start": summary, "steps": 0, "seconds": round(time.perf_counter() - started, 3)},
+    )
+    print(
+        f"Evaluated the starting policy; results in {run_dir / 'summary.json'}.\n"
+        "The RL training loop (rollouts -> GRPO update -> weight sync) is not part of this version yet: "
+        "this run stopped after the start-of-training evaluation."
+    )
+    return 0
 
 
 def cmd_serve_env(args: argparse.Namespace) -> int:
@@ -95,7 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = command("train", cmd_train, "Train a policy with GRPO-family RL (no CONFIG: the built-in demo).")
     _add_config_arguments(train, required=False)
-    train.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
 
     evaluate = command("eval", cmd_eval, "Evaluate a model (pass@k, greedy accuracy) on the config's environments.")
     _add_config_arguments(evaluate, required=False)
@@ -129,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, RegistryError, FileExistsError, FileNotFoundError) as exc:
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:  # user errors (ConfigError, RegistryError, ...)
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except NotAvailableError as exc:

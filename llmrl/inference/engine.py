@@ -1,0 +1,600 @@
+"""LocalEngine: the embedded inference engine (continuous batching, shared prefixes, exact logprobs).
+
+Generation dominates the cost of RL post-training, so the engine is built around one loop that
+keeps a single decode batch as full as it can:
+
+* **Continuous batching.** `agenerate` calls from any thread or event loop put requests in a
+  queue; one batch is stepped by a task on the event loop of a caller (a thread only as a
+  fallback; "driving the batch" below says why). Between two decode steps, finished sequences
+  leave the batch (their request resolves as soon as its last sample ends) and waiting requests
+  enter it, so no sequence waits for the longest one of its batch. Admission is first come, first
+  served, while the running rows stay within ``max_concurrent`` and their KV-cache tokens (each
+  prompt once, plus the tokens generated so far) within ``max_batch_tokens``; a request is
+  admitted whole, and always when the batch is empty, so an oversized request runs alone rather
+  than never. Sequences already running are never preempted: the budget bounds admission, not
+  growth.
+* **Shared prefixes.** The ``n`` samples of one request (a GRPO group) prefill the prompt once. A
+  long prompt with many samples keeps one copy of its keys and values that all ``n`` rows attend
+  to; a short one is copied into each row, which is cheaper to attend to (``decoder.py`` explains
+  the cache, the crossover, and why it is written with plain torch ops for the Llama/Qwen2
+  family; other architectures fall back to the model's own forward with a transformers cache).
+* **Prompts**: a string is tokenized as is (with the tokenizer's special tokens), chat messages
+  through the tokenizer's chat template with the generation prompt. With ``prompt_token_ids``
+  (multi-turn) those ids come first, used verbatim, and the prompt is appended as the next turn:
+  a string without special tokens, messages rendered as a follow-up turn (what the template puts
+  after an assistant message, minus the eos the model already produced, then the new turn).
+* **Sampling** (``sampling.py``): temperature (0 = greedy), top-k, top-p, one batched draw per
+  step. Each sample has its own random stream seeded from ``(seed, sample index)``, so a seeded
+  request gives the same tokens alone or beside others, and sample 0 of ``n`` equals the ``n=1``
+  request with that seed. Unseeded requests draw a seed from the engine's generator (``seed``).
+* **Stops.** A completion ends with ``finish_reason="stop"`` at a stop token id or an eos token
+  (the token is kept in ``token_ids``/``logprobs``, dropped from ``text`` when it is special), or
+  when a stop string appears in the decoded text (detected incrementally with a
+  ``tokenizers.DecodeStream``; ``text`` is cut before the stop string, while ``token_ids`` keep
+  every sampled token, as vLLM does, so token trajectories stay exact); else ``"length"`` after
+  ``max_tokens``.
+* **Logprobs**: ``log_softmax(logits / T)[token]`` in float32 before top-k/top-p, one per
+  completion token; greedy requests report the temperature-1 logprob.
+* **Weight updates** happen between decode steps, never under a running forward.
+  ``weight_update="drain"`` (default): admission pauses, in-flight sequences finish on the old
+  weights (responses keep the old ``policy_version``), then the new weights load and the queue
+  resumes; ``update_weights`` returns once they serve. ``"abort"``: in-flight sequences end at
+  once with ``finish_reason="abort"`` (their tokens so far kept, old version) and the queue
+  resumes on the new weights. The engine serves the model it is given: ``update_weights`` copies
+  the new values into that model's parameters and re-reads them (the fast path keeps the q/k/v
+  and gate/up projections concatenated). Do not change the served model in place while requests
+  are in flight (give the engine its own copy when training runs ahead of generation); an
+  in-place change takes effect at the next ``update_weights``, which may pass the model's own
+  ``state_dict()``.
+* **Errors.** Bad requests (a prompt that fills the context, ``max_tokens`` beyond it, a chat
+  prompt without a chat template, an out-of-vocabulary stop token id, invalid fields) raise
+  `ValueError` from that `agenerate` call only. An exception inside a step fails the requests of
+  that batch with it, resets the cache, and the engine goes on serving.
+
+The engine runs on the device of the model's parameters (CPU or CUDA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tokenizers.decoders import DecodeStream
+
+from llmrl.config import InferenceConfig, ModelConfig
+from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
+from llmrl.inference.interface import run_sync
+from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, row_sampling, sample_tokens
+from llmrl.types import FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
+
+WeightUpdateMode = Literal["drain", "abort"]
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    args: GenerationArgs
+    n: int
+    seed: int
+    stop_ids: frozenset[int]
+    future: Future
+    policy_version: int = 0
+    sequences: list[_Sequence] = field(default_factory=list)
+    unfinished: int = 0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: _Request
+    rng: random.Random | None  # None for greedy rows: they draw nothing
+    stream: DecodeStream | None = None  # only when the request has stop strings
+    text: str = ""  # decoded so far, only tracked for stop strings
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(eq=False)
+class _Driver:
+    """Whoever steps the batch: a task on an event loop (`loop` set) or a fallback thread."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    task: asyncio.Task | None = None
+    thread: threading.Thread | None = None
+
+
+@dataclass(eq=False)
+class _WeightUpdate:
+    state_dict: dict[str, torch.Tensor]
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass
+class EngineStats:
+    """Work done since the engine was built, for monitoring and benchmarks."""
+
+    steps: int = 0
+    """Engine iterations (each a decode step, a prefill, or both)."""
+    prefill_tokens: int = 0
+    """Prompt tokens run through the model (once per request, whatever its `n`)."""
+    decode_tokens: int = 0
+    """Tokens fed to decode steps (one per running row per step)."""
+    completion_tokens: int = 0
+    """Tokens sampled (returned in responses, aborted ones included)."""
+    peak_cache_bytes: int = 0
+    """Largest KV cache the decoder held (allocated capacity, not just the used part)."""
+
+
+class LocalEngine:
+    """Embedded `InferenceInterface` running a transformers causal LM in this process."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_batch_tokens: int = 8192,
+        max_concurrent: int = 64,
+        eos_token_ids: list[int] | tuple[int, ...] | None = None,
+        weight_update: WeightUpdateMode = "drain",
+        policy_version: int = 0,
+        seed: int | None = None,
+    ):
+        """
+        Args:
+            model: a transformers causal LM; put in eval mode and served as is (device and dtype
+                follow its parameters).
+            tokenizer: its tokenizer (a chat template is needed for chat prompts).
+            max_batch_tokens: admission budget of KV-cache tokens of the running batch (each
+                request's prompt counted once, as its samples share it, plus generated tokens).
+            max_concurrent: most sequences in one decode batch.
+            eos_token_ids: tokens that end every completion; default: the tokenizer's eos token
+                and the model's generation-config eos ids. ``()`` turns eos off (benchmarks).
+            weight_update: ``"drain"`` or ``"abort"`` in-flight sequences on `update_weights`.
+            policy_version: version stamped on responses until the first `update_weights`.
+            seed: seeds the seeds of requests that give none (None: from the OS).
+        """
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        if weight_update not in ("drain", "abort"):
+            raise ValueError(f"weight_update must be 'drain' or 'abort', got {weight_update!r}")
+        if policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_tokens = max_batch_tokens
+        self.max_concurrent = max_concurrent
+        self.weight_update = weight_update
+        self.stats = EngineStats()
+        self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent)
+        self._device = next(model.parameters()).device
+        self._eos_ids = frozenset(_default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
+        self._seeds = random.Random(seed)
+        self._version = policy_version
+
+        self._lock = threading.Lock()  # guards the queue, the update list and the driver
+        self._waiting: deque[_Request] = deque()
+        self._updates: list[_WeightUpdate] = []
+        self._driver: _Driver | None = None
+        # Owned by the driver:
+        self._running: list[_Sequence] = []  # in the decoder's row order
+        self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
+
+    @classmethod
+    def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int) -> LocalEngine:
+        """An engine serving its own copy of `model` (on the GPU when there is one), sized by `config`.
+
+        The trainer keeps its own policy and sends weights with `update_weights`.
+        """
+        from llmrl.models import load_model
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        served, tokenizer = load_model(model.spec, dtype=model.dtype, device=device,
+                                       attn_implementation=model.attn_implementation,
+                                       trust_remote_code=model.trust_remote_code)
+        return cls(served, tokenizer, max_batch_tokens=config.max_batch_tokens,
+                   max_concurrent=config.max_concurrent, seed=seed)
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights new requests are served with."""
+        return self._version
+
+    @property
+    def uses_fast_path(self) -> bool:
+        """True when the model runs on the compact Llama/Qwen2 decoder (not the generic fallback)."""
+        return isinstance(self._decoder, LlamaFamilyDecoder)
+
+    # -- public API ------------------------------------------------------------------------------
+
+    async def agenerate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
+        """Sample `request.n` completions of one prompt (batched with every other request in flight)."""
+        prepared = self._prepare(request)
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._waiting.append(prepared)
+            if self._driver is None:  # nobody steps the batch: this event loop will
+                self._driver = driver = _Driver(loop)
+                driver.task = loop.create_task(self._drive_in_loop(driver))
+        # Cancelling this coroutine cancels the future; the driver then drops the request's rows.
+        return await asyncio.wrap_future(prepared.future)
+
+    def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
+        """Blocking form of `agenerate` (not from inside a running event loop)."""
+        return run_sync(self.agenerate(request))
+
+    def update_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+        """Serve new weights (a state dict, a safetensors/torch file, or a folder of them) as `version`.
+
+        Keys are the model's ``state_dict`` names; a subset updates only those parameters. Returns
+        once the new weights serve (see the module docstring for in-flight sequences).
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        state = state_dict_or_path if isinstance(state_dict_or_path, dict) else _read_state_dict(state_dict_or_path)
+        self._check_state_dict(state)
+        update = _WeightUpdate(state, version)
+        with self._lock:
+            self._updates.append(update)
+            driver = self._driver
+            if driver is None:  # nothing is running: apply now, holding the lock so no step starts
+                self._apply_updates()
+        if driver is not None and driver.loop is not None and driver.loop is _running_loop():
+            # Called from a coroutine of the loop that steps the batch: that loop is blocked here,
+            # so step it from here until the update is applied.
+            while not update.done.is_set() and self._iterate(driver):
+                pass
+        update.done.wait()
+        if update.error is not None:
+            raise update.error
+
+    # -- request preparation (caller's thread) ----------------------------------------------------
+
+    def _prepare(self, request: InferenceRequest | dict[str, Any]) -> _Request:
+        if isinstance(request, dict):
+            request = InferenceRequest.model_validate(request)
+        elif not isinstance(request, InferenceRequest):
+            raise ValueError(f"request must be an InferenceRequest or a dict, got {type(request).__name__}")
+        args = request.generation_args
+        prompt_ids = self._tokenize(request)
+        context = self._decoder.max_positions
+        if not prompt_ids:
+            raise ValueError("prompt: it encodes to no tokens")
+        if len(prompt_ids) >= context:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room for a completion in the model's context of "
+                f"{context} tokens"
+            )
+        if len(prompt_ids) + args.max_tokens > context:
+            raise ValueError(
+                f"max_tokens: {args.max_tokens} completion tokens after a {len(prompt_ids)}-token prompt exceed "
+                f"the model's context of {context} tokens (at most {context - len(prompt_ids)} fit)"
+            )
+        vocab = self._decoder.vocab_size
+        for field_name, ids in (("prompt_token_ids", request.prompt_token_ids or ()), ("stop_token_ids", args.stop_token_ids)):
+            outside = sorted({t for t in ids if t >= vocab})
+            if outside:
+                raise ValueError(f"{field_name}: {outside[:5]} outside the vocabulary of {vocab} tokens")
+        with self._lock:  # random.Random is not safe to share between threads
+            seed = args.seed if args.seed is not None else self._seeds.getrandbits(63)
+        return _Request(
+            prompt_ids=prompt_ids,
+            args=args,
+            n=request.n,
+            seed=seed,
+            stop_ids=self._eos_ids | frozenset(args.stop_token_ids),
+            future=Future(),
+        )
+
+    def _tokenize(self, request: InferenceRequest) -> list[int]:
+        """Prompt ids: the chat template or the plain text, after `prompt_token_ids` when given."""
+        prefix, prompt = request.prompt_token_ids, request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]
+            return list(prefix or []) + list(ids)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("prompt: chat messages need a tokenizer with a chat template; pass a string instead")
+        messages = [m.model_dump() for m in prompt]
+        if prefix is None:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+            return list(ids)
+        return list(prefix) + self._follow_up_ids(prefix, messages)
+
+    def _follow_up_ids(self, prefix: list[int], messages: list[dict[str, str]]) -> list[int]:
+        """Ids of `messages` as the next turn after a conversation whose ids (ending in a model turn) are `prefix`.
+
+        The template renders a reference conversation with and without the new messages; the
+        difference is the new turn. What the template writes after an assistant message (ChatML:
+        ``<|im_end|>\n``) is prepended, minus the eos token when the model already produced it.
+        """
+        reply = "\u2063llmrl-reply\u2063"  # text no real conversation contains
+        reference = [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}]
+        render = self.tokenizer.apply_chat_template
+        before = render(reference, tokenize=False)
+        after = render(reference + messages, add_generation_prompt=True, tokenize=False)
+        if reply not in before or not after.startswith(before):
+            raise ValueError("prompt: the tokenizer's chat template cannot render a follow-up turn after prompt_token_ids")
+        closing = before[before.rindex(reply) + len(reply):]
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if eos and closing.startswith(eos) and prefix[-1] == self.tokenizer.eos_token_id:
+            closing = closing[len(eos):]
+        return list(self.tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"])
+
+    def _check_state_dict(self, state: dict[str, Any]) -> None:
+        own = self.model.state_dict()
+        unknown = sorted(k for k in state if k not in own)
+        if unknown:
+            raise ValueError(f"state_dict: keys the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
+            if value.shape != own[key].shape:
+                raise ValueError(f"state_dict: {key!r} has shape {tuple(value.shape)}, the model {tuple(own[key].shape)}")
+
+    # -- driving the batch -----------------------------------------------------------------------
+    #
+    # The batch is stepped by the event loop of the first `agenerate` caller, as a task that runs
+    # one step, yields, and ends when there is no work left (the next request starts a new one).
+    # Why not a background thread: torch's OpenMP runtime gives each thread that runs parallel
+    # ops its own thread pool, and with more pool threads than cores it stops spin-waiting
+    # between ops; a decode step is ~100 small ops, so on 2 cores the same steps took about twice
+    # as long from a second thread as from the main thread (tiny model, 2 torch threads), which
+    # made the engine slower than `generate`. Steps block their loop for one step at a time.
+    # A thread is only the fallback when that loop closes with work left for other callers
+    # (`generate` from several threads, each in its own `asyncio.run`).
+
+    async def _drive_in_loop(self, driver: _Driver) -> None:
+        try:
+            while self._iterate(driver):
+                await asyncio.sleep(0)  # let agents run (and submit) between steps
+        except asyncio.CancelledError:
+            # The loop is shutting down: hand the remaining work to a thread.
+            with self._lock:
+                if self._driver is driver:
+                    self._driver = None
+                    if self._waiting or self._running or self._updates:
+                        self._start_thread_driver()
+            raise
+
+    def _start_thread_driver(self) -> None:
+        """Lock held. Not a daemon: at exit Python waits for it (it ends once idle), rather than
+        killing it inside a torch kernel."""
+        self._driver = driver = _Driver()
+        driver.thread = threading.Thread(target=self._drive_in_thread, args=(driver,), name="llmrl-engine")
+        driver.thread.start()
+
+    def _drive_in_thread(self, driver: _Driver) -> None:
+        while self._iterate(driver):
+            pass
+
+    def _iterate(self, driver: _Driver) -> bool:
+        """One scheduling round and step; False once `driver` has nothing left to do (or was replaced)."""
+        admitted: list[_Request] | None = []
+        try:
+            with torch.inference_mode():
+                with self._lock:
+                    if self._driver is not driver:
+                        return False
+                    admitted = self._schedule()
+                    if admitted is None:
+                        self._driver = None
+                        self._decoder.reset()  # frees the KV cache while idle
+                        return False
+                self._step(admitted)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the engine
+            self._fail_batch(admitted or [], exc)
+        return True
+
+    def _schedule(self) -> list[_Request] | None:
+        """Between steps (lock held): drop cancelled rows, apply weight updates, admit requests.
+
+        Returns the requests to prefill this step, or None when there is nothing to do.
+        """
+        cancelled = [row for row, seq in enumerate(self._running) if seq.request.future.cancelled()]
+        if cancelled:
+            self._remove_rows(cancelled)
+        if self._updates and (not self._running or self.weight_update == "abort"):
+            if self._running:
+                for seq in self._running:
+                    seq.finish_reason = "abort"
+                self._remove_rows(list(range(len(self._running))))
+            self._apply_updates()
+        admitted: list[_Request] = []
+        if not self._updates and self._waiting:
+            rows, tokens = len(self._running), self._cache_tokens()
+            while self._waiting:
+                request = self._waiting[0]
+                if request.future.cancelled():
+                    self._waiting.popleft()
+                    continue
+                rows += request.n
+                tokens += len(request.prompt_ids) + request.n
+                if (self._running or admitted) and (rows > self.max_concurrent or tokens > self.max_batch_tokens):
+                    break
+                admitted.append(self._waiting.popleft())
+        if not self._running and not admitted:
+            assert not self._waiting and not self._updates
+            return None
+        return admitted
+
+    def _cache_tokens(self) -> int:
+        """KV-cache tokens of the running batch: each request's prompt once, plus every generated token."""
+        prompts = sum(len(r.prompt_ids) for r in {seq.request for seq in self._running})
+        return prompts + sum(len(seq.tokens) for seq in self._running)
+
+    def _apply_updates(self) -> None:
+        for update in self._updates:
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    self.model.load_state_dict(update.state_dict, strict=False)
+                self._decoder.refresh_weights()
+                self._version = update.version
+            except Exception as exc:  # noqa: BLE001 - reported to the caller of update_weights
+                update.error = exc
+            update.done.set()
+        self._updates = []
+
+    def _step(self, admitted: list[_Request]) -> None:
+        """One engine iteration: decode the running rows, prefill the admitted requests, sample all."""
+        logits = []
+        if self._running:
+            pending = torch.tensor([seq.tokens[-1] for seq in self._running], device=self._device)
+            self.stats.decode_tokens += len(self._running)
+            logits.append(self._decoder.decode(pending))
+        if admitted:
+            prompt_logits = self._decoder.prefill([r.prompt_ids for r in admitted], [r.n for r in admitted])
+            if any(r.n > 1 for r in admitted):
+                counts = torch.tensor([r.n for r in admitted], device=self._device)
+                prompt_logits = prompt_logits.repeat_interleave(counts, dim=0)
+            logits.append(prompt_logits)
+            for request in admitted:
+                self._start(request)
+            self.stats.prefill_tokens += sum(len(r.prompt_ids) for r in admitted)
+            self._rows = None
+        self.stats.steps += 1
+        if self._rows is None:
+            self._rows = row_sampling([seq.request.args for seq in self._running], self._decoder.vocab_size,
+                                      self._device)
+        uniforms = torch.tensor([min(seq.rng.random(), MAX_UNIFORM) if seq.rng is not None else 0.0
+                                 for seq in self._running], dtype=torch.float32, device=self._device)
+        tokens, logprobs = sample_tokens(torch.cat(logits) if len(logits) > 1 else logits[0], self._rows, uniforms)
+        finished = []
+        for row, (seq, token, logprob) in enumerate(zip(self._running, tokens.tolist(), logprobs.tolist(),
+                                                         strict=True)):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                finished.append(row)
+        self.stats.completion_tokens += len(self._running)
+        self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self._decoder.cache_bytes)
+        if finished:
+            self._remove_rows(finished)
+
+    def _start(self, request: _Request) -> None:
+        """Create the request's sequences (rows were appended by the decoder's prefill)."""
+        request.policy_version = self._version
+        request.unfinished = request.n
+        sampled = request.args.temperature > 0.0
+        for index in range(request.n):
+            seq = _Sequence(request, random.Random(f"{request.seed}/{index}") if sampled else None)
+            if request.args.stop and self._backend is not None:
+                seq.stream = DecodeStream(skip_special_tokens=True)
+            request.sequences.append(seq)
+            self._running.append(seq)
+
+    def _finish_reason(self, seq: _Sequence, token: int) -> FinishReason | None:
+        request = seq.request
+        if token in request.stop_ids:
+            return "stop"
+        if request.args.stop and self._stop_string_ended(seq, token):
+            return "stop"
+        if len(seq.tokens) >= request.args.max_tokens:
+            return "length"
+        return None
+
+    def _stop_string_ended(self, seq: _Sequence, token: int) -> bool:
+        stops = seq.request.args.stop
+        if seq.stream is not None:
+            chunk = seq.stream.step(self._backend, token)
+            if not chunk:
+                return False
+            seq.text += chunk
+            # A stop string completed by this chunk starts at most len(stop) - 1 characters before it.
+            tail = seq.text[-(len(chunk) + max(len(s) for s in stops) - 1):]
+        else:
+            seq.text = tail = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        """Take `rows` out of the batch; resolve the requests whose last sequence just ended."""
+        leaving = [self._running[row] for row in rows]
+        order = self._decoder.remove_rows(rows)
+        self._running = [self._running[i] for i in order]
+        self._rows = None
+        for seq in leaving:
+            request = seq.request
+            request.unfinished -= 1
+            if request.unfinished == 0 and not request.future.done():
+                request.future.set_result([self._response(s) for s in request.sequences])
+
+    def _response(self, seq: _Sequence) -> InferenceResponse:
+        request = seq.request
+        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in request.args.stop) if i >= 0]
+        if cuts:
+            text = text[: min(cuts)]
+        assert seq.finish_reason is not None
+        return InferenceResponse(
+            text=text,
+            prompt_token_ids=request.prompt_ids,
+            token_ids=seq.tokens,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason,
+            policy_version=request.policy_version,
+        )
+
+    def _fail_batch(self, admitted: list[_Request], exc: Exception) -> None:
+        """A step raised: fail every request in the batch with `exc` and start again from an empty cache."""
+        requests = {seq.request for seq in self._running} | set(admitted)
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(exc)
+        self._running = []
+        self._rows = None
+        self._decoder.reset()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _default_eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    ids = []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.append(generation_eos)
+    elif generation_eos:
+        ids.extend(generation_eos)
+    return ids
+
+
+def _read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors or torch file, or of every such file in a folder (a sharded checkpoint)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+        if not files:
+            raise ValueError(f"state_dict_or_path: no *.safetensors, *.bin or *.pt files in {path}")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ValueError(f"state_dict_or_path: {path} is neither a file nor a folder")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(file)))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    return state

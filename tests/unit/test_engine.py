@@ -1,0 +1,533 @@
+"""LocalEngine against naive references: Hugging Face `generate`, teacher-forced logprobs, full forwards.
+
+The correctness checks run on the tiny model (`tiny://arithmetic`, built once per cache) and on
+small random models that cover what it does not: Llama with biases, one kv head and an untied head
+(the fast path's other corners) and GPT-2 (the generic fallback). The random models use a
+byte-level BPE tokenizer trained in a fixture and a large ``initializer_range``, so logits are
+peaked and greedy decoding has no near-ties that float rounding could flip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from llmrl.config import InferenceConfig, ModelConfig
+from llmrl.inference import build_inference
+from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, build_decoder
+from llmrl.inference.engine import LocalEngine
+from llmrl.inference.interface import InferenceInterface
+from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
+
+CONTEXT = 160
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PROMPTS = ["the quick brown fox", "12 + 35 =", "a", "jumps over the lazy dog and then the fox says 7 * 8 = 56"]
+LONG_PROMPT = " ".join(f"the fox counts {i} + {2 * i} = {3 * i}." for i in range(8))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"the quick brown fox jumps over the lazy dog {i} + {3 * i} = {4 * i}" for i in range(300)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=CHATML
+    )
+
+
+def _build(family: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, initializer_range=0.2, eos_token_id=2, pad_token_id=0)
+    if family == "qwen2":
+        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
+                             **common)
+        return Qwen2ForCausalLM(config).eval()
+    if family == "llama":  # biases everywhere, one kv head, untied head: the other corners of the family
+        config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, max_position_embeddings=CONTEXT, attention_bias=True,
+                             mlp_bias=True, tie_word_embeddings=False, **common)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():  # biases start at zero; make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.2)
+        return model
+    assert family == "gpt2"
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=CONTEXT, **common)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen2", "llama", "gpt2"])
+def served(request, tokenizer):
+    """(model, tokenizer) pairs the correctness tests run on."""
+    if request.param == "tiny":
+        return request.getfixturevalue("tiny_model")
+    return _build(request.param, len(tokenizer)), tokenizer
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen2"])
+def fast_served(request, tokenizer):
+    """The fast path's (model, tokenizer): the tiny model and a random Qwen2."""
+    if request.param == "tiny":
+        return request.getfixturevalue("tiny_model")
+    return _build(request.param, len(tokenizer)), tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen2(tokenizer) -> torch.nn.Module:
+    return _build("qwen2", len(tokenizer))
+
+
+async def _gather(engine: LocalEngine, requests: list[InferenceRequest], return_exceptions: bool = False):
+    return await asyncio.gather(*(engine.agenerate(r) for r in requests), return_exceptions=return_exceptions)
+
+
+def _teacher_forced(model, prompt_ids: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of each completion token from one full forward pass."""
+    ids = torch.tensor([prompt_ids + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_engine_is_an_inference_interface(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer)
+    assert isinstance(engine, InferenceInterface)
+    assert engine.uses_fast_path
+    assert isinstance(build_decoder(_build("gpt2", len(tokenizer))), HFDecoder)
+
+
+def test_built_from_config_through_the_registry(tokenizer, tmp_path):
+    _build("qwen2", len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = build_inference(InferenceConfig(max_concurrent=5, max_batch_tokens=999), ModelConfig(spec=str(tmp_path)),
+                             seed=3)
+    assert isinstance(engine, LocalEngine) and engine.uses_fast_path
+    assert (engine.max_concurrent, engine.max_batch_tokens) == (5, 999)
+    (response,) = engine.generate(InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=4)))
+    assert len(response.token_ids) <= 4
+
+
+def test_greedy_matches_generate_token_for_token(served):
+    # Requests of different lengths run concurrently in one batch; each must equal its own generate().
+    model, tokenizer = served
+    eos = tokenizer.eos_token_id
+    engine = LocalEngine(model, tokenizer)
+    requests = [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=0.0, max_tokens=40))
+                for p in PROMPTS]
+    chat = [ChatMessage(role="user", content="what is 12 + 35?")]
+    requests.append(InferenceRequest(prompt=chat, n=3, generation_args=GenerationArgs(temperature=0.0, max_tokens=30)))
+    results = asyncio.run(_gather(engine, requests))
+    assert engine.uses_fast_path == (not isinstance(model, GPT2LMHeadModel))
+    for request, responses in zip(requests, results, strict=True):
+        prompt_ids = responses[0].prompt_token_ids
+        if isinstance(request.prompt, str):
+            assert prompt_ids == tokenizer(request.prompt)["input_ids"]
+        else:
+            assert prompt_ids == tokenizer.apply_chat_template([m.model_dump() for m in chat],
+                                                               add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                                      max_new_tokens=request.generation_args.max_tokens, eos_token_id=eos,
+                                      pad_token_id=tokenizer.pad_token_id)[0, len(prompt_ids):].tolist()
+        assert len(responses) == request.n
+        for response in responses:
+            assert response.token_ids == expected
+            assert response.finish_reason == ("stop" if expected[-1] == eos else "length")
+            assert response.text == tokenizer.decode(expected, skip_special_tokens=True)
+            # Greedy reports the temperature-1 logprob of the chosen token.
+            torch.testing.assert_close(torch.tensor(response.logprobs),
+                                       _teacher_forced(model, prompt_ids, expected, 1.0), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_forward(served, temperature):
+    model, tokenizer = served
+    engine = LocalEngine(model, tokenizer)
+    # top-k / top-p restrict sampling but the reported logprob is taken before them.
+    args = [GenerationArgs(temperature=temperature, max_tokens=30, seed=1),
+            GenerationArgs(temperature=temperature, max_tokens=25, top_k=5, top_p=0.9, seed=2)]
+    requests = [InferenceRequest(prompt=p, n=3, generation_args=a) for p, a in zip(PROMPTS[:2], args, strict=True)]
+    # A group long enough to keep one shared copy of its prompt (cascade attention on the fast path).
+    requests.append(InferenceRequest(prompt=LONG_PROMPT, n=8, generation_args=args[0]))
+    assert len(tokenizer(LONG_PROMPT)["input_ids"]) * 7 >= LlamaFamilyDecoder.SHARE_FROM
+    for responses in asyncio.run(_gather(engine, requests)):
+        for response in responses:
+            assert len(response.logprobs) == len(response.token_ids) > 0
+            expected = _teacher_forced(model, response.prompt_token_ids, response.token_ids, temperature)
+            assert (torch.tensor(response.logprobs) - expected).abs().max().item() < 1e-4
+
+
+def test_same_seed_same_tokens_alone_or_beside_30_others(fast_served):
+    model, tokenizer = fast_served
+    engine = LocalEngine(model, tokenizer, max_concurrent=64, eos_token_ids=())  # long completions
+    target = InferenceRequest(prompt="the lazy dog", n=2, generation_args=GenerationArgs(max_tokens=40, seed=1234))
+    (alone,) = asyncio.run(_gather(engine, [target]))
+    others = [
+        InferenceRequest(prompt=PROMPTS[i % 4] + " " * (i % 3), n=1 + i % 2,
+                         generation_args=GenerationArgs(temperature=0.5 + 0.1 * (i % 7), top_k=i % 4 * 10,
+                                                        max_tokens=10 + 3 * i, seed=i))
+        for i in range(30)
+    ]
+    results = asyncio.run(_gather(engine, others[:15] + [target] + others[15:]))
+    beside = results[15]
+    assert [r.token_ids for r in beside] == [r.token_ids for r in alone]
+    # Logits can differ in the last float bits between batch shapes (BLAS blocking), not more.
+    torch.testing.assert_close(torch.tensor([r.logprobs for r in beside]), torch.tensor([r.logprobs for r in alone]),
+                               rtol=0, atol=1e-4)
+    # The two samples of a request differ; sample 0 equals the n=1 request with that seed.
+    assert alone[0].token_ids != alone[1].token_ids
+    (single,) = engine.generate(target.model_copy(update={"n": 1}))
+    assert single.token_ids == alone[0].token_ids
+    # Unseeded requests differ from run to run.
+    unseeded = InferenceRequest(prompt="the lazy dog", generation_args=GenerationArgs(max_tokens=40))
+    assert engine.generate(unseeded)[0].token_ids != engine.generate(unseeded)[0].token_ids
+
+
+def test_update_weights_serves_new_weights(fast_served, tmp_path):
+    served_model, tokenizer = fast_served
+    model = copy.deepcopy(served_model)  # the tiny model is shared by the session: update a copy
+    old_model = copy.deepcopy(served_model)
+    engine = LocalEngine(model, tokenizer, eos_token_ids=())
+    request = InferenceRequest(prompt="the quick", generation_args=GenerationArgs(temperature=0.7, max_tokens=20,
+                                                                                  seed=5))
+    (before,) = engine.generate(request)
+    assert before.policy_version == 0
+    new_model = copy.deepcopy(served_model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    engine.update_weights(new_model.state_dict(), version=3)
+    (after,) = engine.generate(request)
+    assert after.policy_version == engine.policy_version == 3
+    new_logprobs = _teacher_forced(new_model, after.prompt_token_ids, after.token_ids, 0.7)
+    assert (torch.tensor(after.logprobs) - new_logprobs).abs().max().item() < 1e-4
+    old_logprobs = _teacher_forced(old_model, after.prompt_token_ids, after.token_ids, 0.7)
+    assert (torch.tensor(after.logprobs) - old_logprobs).abs().max().item() > 0.05
+
+    # From a safetensors file, a subset of the parameters (one layer's MLP).
+    from safetensors.torch import save_file
+
+    layer = {k: v.clone() * 3 for k, v in new_model.state_dict().items() if k.startswith("model.layers.0.mlp.")}
+    save_file(layer, tmp_path / "update.safetensors")
+    engine.update_weights(tmp_path / "update.safetensors", version=4)
+    (third,) = engine.generate(request)
+    for key, value in layer.items():
+        assert torch.equal(model.state_dict()[key], value)
+    expected = _teacher_forced(model, third.prompt_token_ids, third.token_ids, 0.7)
+    assert third.policy_version == 4
+    assert (torch.tensor(third.logprobs) - expected).abs().max().item() < 1e-4
+
+
+def test_update_weights_rejects_bad_state_dicts(qwen2, tokenizer, tmp_path):
+    engine = LocalEngine(qwen2, tokenizer)
+    with pytest.raises(ValueError, match="keys the model does not have"):
+        engine.update_weights({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}, version=1)
+    with pytest.raises(ValueError, match="has shape"):
+        engine.update_weights({"model.norm.weight": torch.zeros(3)}, version=1)
+    with pytest.raises(ValueError, match="version"):
+        engine.update_weights({}, version=-1)
+    with pytest.raises(ValueError, match="neither a file nor a folder"):
+        engine.update_weights(tmp_path / "missing", version=1)
+    assert engine.policy_version == 0
+
+
+def _long_request(max_tokens: int = 100, prompt: str = "the quick brown fox") -> InferenceRequest:
+    return InferenceRequest(prompt=prompt, generation_args=GenerationArgs(max_tokens=max_tokens, seed=0))
+
+
+@pytest.mark.parametrize("caller", ["thread", "loop"])
+@pytest.mark.parametrize("mode", ["drain", "abort"])
+def test_weight_update_during_generation(tokenizer, mode, caller):
+    # caller "thread": update_weights from another thread while the loop steps the batch;
+    # "loop": called (blocking) from a coroutine of the very loop that steps it.
+    model = _build("qwen2", len(tokenizer))
+    engine = LocalEngine(model, tokenizer, eos_token_ids=(), weight_update=mode)
+    new_state = _build("qwen2", len(tokenizer), seed=1).state_dict()
+
+    async def scenario():
+        running = asyncio.ensure_future(engine.agenerate(_long_request(150)))
+        while engine.stats.completion_tokens < 10:  # the request is in flight
+            await asyncio.sleep(0.001)
+        if caller == "thread":
+            await asyncio.get_running_loop().run_in_executor(None, engine.update_weights, new_state, 7)
+        else:
+            engine.update_weights(new_state, 7)  # must not wait for a loop it blocks
+        (old,) = await running
+        (new,) = await engine.agenerate(_long_request(5))
+        return old, new
+
+    old, new = asyncio.run(scenario())
+    assert old.policy_version == 0 and new.policy_version == 7
+    if mode == "drain":
+        assert old.finish_reason == "length" and len(old.token_ids) == 150
+        # Finished on the old weights: its logprobs are the old model's.
+        expected = _teacher_forced(_build("qwen2", len(tokenizer)), old.prompt_token_ids, old.token_ids, 1.0)
+        assert (torch.tensor(old.logprobs) - expected).abs().max().item() < 1e-4
+    else:
+        assert old.finish_reason == "abort" and 10 <= len(old.token_ids) < 150
+        assert len(old.logprobs) == len(old.token_ids)
+
+
+def test_bad_requests_fail_alone(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer)
+    plain_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    no_template = LocalEngine(qwen2, plain_tokenizer)
+    good = InferenceRequest(prompt="the lazy dog", n=2, generation_args=GenerationArgs(max_tokens=12, seed=3))
+    too_long = InferenceRequest(prompt="the fox " * 200)
+    beyond = InferenceRequest(prompt="the fox", generation_args=GenerationArgs(max_tokens=CONTEXT))
+    bad_stop = {"prompt": "the fox", "generation_args": {"stop": [7]}}
+    unknown_field = {"prompt": "the fox", "generation_args": {"stop_sequences": ["x"]}}
+    out_of_vocab = InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=9, stop_token_ids=(10_000,)))
+    bad_prefix = InferenceRequest(prompt="fox", prompt_token_ids=[5, 4000], generation_args=GenerationArgs(max_tokens=9))
+
+    async def scenario():
+        results = await _gather(engine, [good, too_long, good, beyond, bad_stop, unknown_field, out_of_vocab, good,
+                                         bad_prefix], return_exceptions=True)
+        chat = InferenceRequest(prompt=[ChatMessage(role="user", content="hi")])
+        results.append(*(await _gather(no_template, [chat], return_exceptions=True)))
+        return results
+
+    results = asyncio.run(scenario())
+    for index in (0, 2, 7):
+        assert len(results[index]) == 2
+        assert all(len(r.token_ids) == 12 or r.finish_reason == "stop" for r in results[index])
+    failed = (1, 3, 4, 5, 6, 8, 9)
+    assert all(isinstance(results[i], ValueError) for i in failed)
+    messages = [str(results[i]) for i in failed]
+    assert "prompt:" in messages[0] and f"context of {CONTEXT}" in messages[0]
+    assert "max_tokens:" in messages[1]
+    assert "stop" in messages[2] and "stop_sequences" in messages[3]
+    assert "stop_token_ids" in messages[4] and "prompt_token_ids: [4000]" in messages[5]
+    assert "chat template" in messages[6]
+    assert results[0][0].token_ids == results[7][0].token_ids  # same seed, same tokens, errors or not
+    with pytest.raises(ValueError, match="max_concurrent"):
+        LocalEngine(qwen2, tokenizer, max_concurrent=0)
+
+
+def test_failed_step_fails_its_batch_and_engine_recovers(tokenizer):
+    model = _build("qwen2", len(tokenizer))
+    engine = LocalEngine(model, tokenizer)
+    decoder = engine._decoder
+    real_decode = decoder.decode
+    calls = {"n": 0}
+
+    def flaky_decode(tokens):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real_decode(tokens)
+
+    decoder.decode = flaky_decode
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(_long_request(20))
+    (response,) = engine.generate(_long_request(20))
+    assert len(response.token_ids) > 0
+
+
+def test_stops(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer, eos_token_ids=())
+    greedy = GenerationArgs(temperature=0.0, max_tokens=60)
+    (full,) = engine.generate(InferenceRequest(prompt="the quick", generation_args=greedy))
+    assert full.finish_reason == "length" and len(full.token_ids) == 60
+
+    # Stop token id: ends at its first occurrence, the token kept.
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    (by_id,) = engine.generate(InferenceRequest(
+        prompt="the quick", generation_args=greedy.model_copy(update={"stop_token_ids": (stop_id,)})))
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: first + 1]
+
+    # Stop string: text cut before it; token ids keep every sampled token up to the one completing it.
+    stop = full.text[20:23]
+    start = full.text.index(stop)
+    (by_text,) = engine.generate(InferenceRequest(
+        prompt="the quick", generation_args=greedy.model_copy(update={"stop": ("not there", stop)})))
+    assert by_text.finish_reason == "stop"
+    assert by_text.text == full.text[:start]
+    assert by_text.token_ids == full.token_ids[: len(by_text.token_ids)]
+    assert stop in tokenizer.decode(by_text.token_ids) and stop not in tokenizer.decode(by_text.token_ids[:-1])
+
+    # Eos: with the default eos ids, <|im_end|> stops and is left out of the text.
+    with_eos = LocalEngine(qwen2, tokenizer)
+    eos = tokenizer.eos_token_id
+    (response,) = with_eos.generate(InferenceRequest(
+        prompt="the quick", generation_args=greedy.model_copy(update={"stop_token_ids": (stop_id,)})))
+    assert response.token_ids[-1] in (eos, stop_id)
+    assert "<|im_end|>" not in response.text
+
+
+def test_follow_up_turn_continues_prompt_token_ids(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer)
+    first_turn = [ChatMessage(role="user", content="12 + 35?")]
+    args = GenerationArgs(temperature=0.0, max_tokens=8)
+    (first,) = engine.generate(InferenceRequest(prompt=first_turn, generation_args=args))
+    prefix = first.prompt_token_ids + first.token_ids + [tokenizer.eos_token_id]
+    follow = [ChatMessage(role="user", content="and 1 + 1?")]
+    (second,) = engine.generate(InferenceRequest(prompt=follow, prompt_token_ids=prefix, generation_args=args))
+    # The same ids as rendering the whole conversation with the template (the model's eos ends turn 1).
+    conversation = [m.model_dump() for m in first_turn] + [
+        {"role": "assistant", "content": tokenizer.decode(first.token_ids)}] + [m.model_dump() for m in follow]
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(second.prompt_token_ids) == rendered
+    assert second.prompt_token_ids[: len(prefix)] == prefix
+    (text_turn,) = engine.generate(InferenceRequest(prompt=" and", prompt_token_ids=[5, 6], generation_args=args))
+    assert text_turn.prompt_token_ids == [5, 6] + tokenizer(" and", add_special_tokens=False)["input_ids"]
+
+
+def test_continuous_batching_short_requests_overtake_a_long_one(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer, eos_token_ids=(), max_concurrent=3)
+    finished: list[str] = []
+
+    async def run(name: str, request: InferenceRequest):
+        await engine.agenerate(request)
+        finished.append(name)
+
+    async def scenario():
+        long = asyncio.ensure_future(run("long", _long_request(130)))
+        await asyncio.sleep(0)
+        shorts = [run(f"short{i}", _long_request(8, PROMPTS[i % 4])) for i in range(6)]
+        await asyncio.gather(long, *shorts)
+
+    asyncio.run(scenario())
+    # Six short requests through the two other slots while the long one is still decoding.
+    assert finished[-1] == "long" and len(finished) == 7
+    assert engine.stats.steps < 130 + 6 * 8  # they shared decode steps with the long one
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[3], LONG_PROMPT])  # copied into each row / shared
+def test_group_prefills_prompt_once(qwen2, tokenizer, prompt):
+    engine = LocalEngine(qwen2, tokenizer)
+    request = InferenceRequest(prompt=prompt, n=8, generation_args=GenerationArgs(max_tokens=10, seed=0))
+    responses = engine.generate(request)
+    prompt_length = len(responses[0].prompt_token_ids)
+    assert engine.stats.prefill_tokens == prompt_length
+    assert len({tuple(r.token_ids) for r in responses}) == 8
+    assert engine.stats.completion_tokens == sum(len(r.token_ids) for r in responses)
+    # The first token of each sample comes from the prompt's logits; the others from decode steps.
+    assert engine.stats.decode_tokens == engine.stats.completion_tokens - 8
+
+
+def test_cancelled_request_leaves_the_batch(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer, eos_token_ids=())
+
+    async def scenario():
+        doomed = asyncio.ensure_future(engine.agenerate(_long_request(150)))
+        while engine.stats.completion_tokens < 5:
+            await asyncio.sleep(0.001)
+        doomed.cancel()
+        (other,) = await engine.agenerate(_long_request(10))
+        return other
+
+    other = asyncio.run(scenario())
+    assert len(other.token_ids) == 10
+    deadline = time.monotonic() + 5
+    while engine._driver is not None and time.monotonic() < deadline:  # the driver ends once idle
+        time.sleep(0.01)
+    assert engine._driver is None and engine.stats.completion_tokens < 150
+
+
+def test_sync_generate_from_threads(qwen2, tokenizer):
+    engine = LocalEngine(qwen2, tokenizer)
+    request = InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=15, seed=9))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(engine.generate(request)[0].token_ids))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and all(r == results[0] for r in results)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder: the compact cache against full forward passes
+
+
+def _last_logits(model, sequences: list[list[int]]) -> torch.Tensor:
+    """Next-token logits of each sequence from one right-padded forward pass (the reference)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits[torch.arange(len(sequences)), mask.sum(1) - 1]
+
+
+@pytest.mark.parametrize(
+    ("family", "share_from"),
+    [("qwen2", 0), ("qwen2", 10), ("qwen2", 10**9), ("llama", 0), ("llama", 10), ("gpt2", None)],
+)
+def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, share_from):
+    # share_from 0: every multi-sample group shares its prompt (cascade attention); 10**9: every
+    # prompt is copied into its rows (one attention kernel); 10: both kinds in one batch, the
+    # shared cache created before and after inline groups.
+    model = _build(family, 97)
+    decoder = build_decoder(model) if share_from is None else LlamaFamilyDecoder(model, share_from=share_from)
+    assert isinstance(decoder, LlamaFamilyDecoder) == (family != "gpt2")
+    generator = torch.Generator().manual_seed(0)
+    sequences: list[list[int]] = []
+
+    def join(lengths: list[int], copies: list[int]):
+        prompts = [torch.randint(0, 97, (n,), generator=generator).tolist() for n in lengths]
+        logits = decoder.prefill(prompts, copies)
+        torch.testing.assert_close(logits, _last_logits(model, prompts), rtol=0, atol=1e-4)
+        sequences.extend(list(p) for p, c in zip(prompts, copies, strict=True) for _ in range(c))
+
+    def remove(rows: list[int]):
+        nonlocal sequences
+        order = decoder.remove_rows(rows)
+        sequences = [sequences[i] for i in order]
+
+    with torch.inference_mode():
+        join([5, 3, 9], [2, 1, 3])  # with share_from=10 only the 9-token prompt (x3) is shared
+        for step in range(14):
+            tokens = torch.randint(0, 97, (decoder.num_rows,), generator=generator)
+            for sequence, token in zip(sequences, tokens.tolist(), strict=True):
+                sequence.append(token)
+            logits = decoder.decode(tokens)
+            if step in (0, 4, 7, 9, 13):
+                torch.testing.assert_close(logits, _last_logits(model, sequences), rtol=0, atol=1e-4)
+            if step in (3, 6):  # rows leave, whole groups among them (prompt 3 has one row)
+                remove([0, 2, decoder.num_rows - 1])
+            if step == 5:
+                join([30, 3], [1, 4])  # inline groups; longer than the running rows: the cache grows
+                # Leaving before any decode step (a first token that ends the sample): a new row
+                # moves into an old row's slot.
+                remove([1])
+            if step == 8:
+                remove(list(range(decoder.num_rows // 2)))
+                join([12], [3])  # shared again with share_from=10, after inline groups
+        assert decoder.num_rows == len(sequences)
+        decoder.reset()
+        assert decoder.num_rows == 0

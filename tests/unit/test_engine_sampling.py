@@ -1,0 +1,110 @@
+"""The engine's batched sampler against a naive per-row reference (Hugging Face warper semantics)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmrl.inference.sampling import MAX_UNIFORM, row_sampling, sample_tokens
+from llmrl.types import GenerationArgs
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then top-p on the renormalised top-k distribution, one row, by hand.
+
+    Top-p as Hugging Face's TopPLogitsWarper: sort ascending and drop the tokens whose cumulative
+    probability is <= 1 - top_p, always keeping the most likely token.
+    """
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_k:
+        kth = probs.sort(descending=True).values[top_k - 1]
+        probs = torch.where(probs >= kth, probs, 0.0)
+        probs = probs / probs.sum()
+    if top_p < 1.0:
+        ascending, order = probs.sort()
+        removed = ascending.cumsum(0) <= 1 - top_p
+        removed[-1] = False
+        probs = probs.clone()
+        probs[order[removed]] = 0.0
+    return probs / probs.sum()
+
+
+# Hand-checked case: logits log([0.5, 0.3, 0.15, 0.05]) at T=1 with top_p=0.7 keeps {0.5, 0.3}
+# (0.5 < 0.7, then 0.5 + 0.3 >= 0.7) and renormalises to [0.625, 0.375, 0, 0].
+def test_hand_derived_top_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    expected = torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(reference_distribution(logits, 1.0, 0, 0.7), expected)
+    assert torch.allclose(_empirical(logits, GenerationArgs(top_p=0.7)), expected, atol=1e-3)
+
+
+def _empirical(logits: torch.Tensor, args: GenerationArgs, draws: int = 20_000) -> torch.Tensor:
+    """Frequencies of each token over uniforms spaced evenly on [0, 1): exact up to 1/draws."""
+    rows = row_sampling([args] * draws, logits.shape[-1], "cpu")
+    uniforms = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    tokens, _ = sample_tokens(logits.expand(draws, -1), rows, uniforms.float())
+    return torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.8, 5, 0.6), (1.0, 1, 1.0), (2.0, 4, 0.95)],
+)
+def test_sampled_frequencies_match_reference(temperature, top_k, top_p):
+    logits = torch.randn(11, generator=torch.Generator().manual_seed(3)) * 2
+    args = GenerationArgs(temperature=temperature, top_k=top_k, top_p=top_p)
+    expected = reference_distribution(logits, temperature, top_k, top_p)
+    assert (_empirical(logits, args) - expected).abs().max().item() < 2e-3
+
+
+def test_logprobs_are_taken_before_filtering_and_greedy_reports_temperature_one():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=generator) * 3
+    args = [
+        GenerationArgs(temperature=0.0),
+        GenerationArgs(temperature=0.7, top_k=3),
+        GenerationArgs(temperature=1.5, top_p=0.5),
+        GenerationArgs(temperature=1.0),
+    ]
+    rows = row_sampling(args, 50, "cpu")
+    tokens, logprobs = sample_tokens(logits.double(), rows, torch.rand(4, generator=generator))
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert tokens[0] == logits[0].argmax()
+    for row, temperature in enumerate([1.0, 0.7, 1.5, 1.0]):
+        expected = torch.log_softmax(logits[row] / temperature, dim=-1)[tokens[row]]
+        assert abs(logprobs[row].item() - expected.item()) < 1e-6
+    assert tokens[1] in logits[1].topk(3).indices
+
+
+def test_a_row_draws_the_same_token_whatever_its_neighbours_do():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 40, generator=generator)
+    plain = GenerationArgs(temperature=0.9)
+    for u in torch.linspace(0.001, 0.999, 37):
+        (alone,), _ = sample_tokens(logits, row_sampling([plain], 40, "cpu"), u[None])
+        neighbours = [GenerationArgs(top_k=2), plain, GenerationArgs(temperature=0.0), GenerationArgs(top_p=0.3)]
+        batch_logits = torch.cat([torch.randn(1, 40, generator=generator), logits,
+                                  torch.randn(2, 40, generator=generator)])  # row 1 is ours
+        rows = row_sampling(neighbours, 40, "cpu")
+        tokens, _ = sample_tokens(batch_logits, rows, torch.stack([torch.rand(()), u, torch.rand(()), torch.rand(())]))
+        assert tokens[1] == alone
+
+
+def test_uniform_rounding_to_one_never_draws_a_filtered_token():
+    logits = torch.tensor([[5.0, 4.0, -math.inf, 3.0, -40.0, -50.0]])
+    for args in (GenerationArgs(top_k=2), GenerationArgs(), GenerationArgs(top_p=0.5)):
+        rows = row_sampling([args], 6, "cpu")
+        for u in (MAX_UNIFORM, 1.0 - 1e-7, 0.9999):
+            token, _ = sample_tokens(logits, rows, torch.tensor([u]))
+            allowed = {0, 1} if args.top_k == 2 else ({0} if args.top_p == 0.5 else {0, 1, 3, 4, 5})
+            assert token.item() in allowed
+
+
+def test_row_sampling_turns_filters_off_at_their_neutral_values():
+    rows = row_sampling([GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=500, temperature=0.0)], 100, "cpu")
+    assert not rows.any_filter and rows.any_greedy and not rows.all_greedy and rows.unit_temperature
+    assert not row_sampling([GenerationArgs(temperature=0.5)], 100, "cpu").unit_temperature
+    assert rows.top_k.tolist() == [[100], [100]] and math.isinf(rows.top_p[0, 0].item())
+    assert rows.temperature.tolist() == [[1.0], [1.0]]
