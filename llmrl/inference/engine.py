@@ -161,7 +161,8 @@ class LocalEngine:
                 and the model's generation-config eos ids. ``()`` turns eos off (benchmarks).
             weight_update: ``"drain"`` or ``"abort"`` in-flight sequences on `update_weights`.
             policy_version: version stamped on responses until the first `update_weights`.
-            seed: seeds the seeds of requests that give none (None: from the OS).
+            seed: seeds the generator that picks a seed for each request without one (None: from
+                the OS).
         """
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")

@@ -45,6 +45,15 @@ PROMPTS = ["the quick brown fox", "12 + 35 =", "a", "jumps over the lazy dog and
 LONG_PROMPT = " ".join(f"the fox counts {i} + {2 * i} = {3 * i}." for i in range(8))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These models are tiny: one thread is as fast, and a busy neighbour core cannot stall it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
