@@ -52,7 +52,7 @@ class InferenceConfig(Section):
     api_key_env: str | None = None
     """Name of the environment variable that holds the server's bearer token, if it needs one."""
     max_batch_tokens: int = Field(8192, ge=1)
-    """Token budget of one engine step (prompt and cache tokens of all running sequences)."""
+    """Admission budget of the embedded engine: KV-cache tokens of all running sequences (a shared prompt counts once)."""
     max_concurrent: int = Field(64, ge=1)
     """Most sequences decoded at once by the embedded engine or in flight to a server."""
     request_timeout_s: float = Field(120.0, gt=0)
