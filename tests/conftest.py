@@ -7,7 +7,12 @@ once) or ``~/.cache/llmrl``, and reuse it afterwards.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Tests never reach a model hub; without this a hub lookup waits for network timeouts. Set before
+# any test imports transformers / huggingface_hub, which read it once at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 

@@ -65,7 +65,10 @@ def load_model(
     elif dtype not in DTYPES.values():
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = resolve_model_spec(spec)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as exc:  # unreachable hub, unknown repo, or a folder without tokenizer files
+        raise ValueError(f"model spec {spec!r}: cannot load its tokenizer: {exc}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")

@@ -293,3 +293,10 @@ def test_warmed_up_model_is_partly_right(tiny_model, tiny_model_path):
     assert all(re.fullmatch(r"\d{2,3}", t) for t in texts), texts
     assert all(tokenizer.eos_token_id in row.tolist() for row in completions)
     assert 0 < sum(int(t) == p.answer for t, p in zip(texts, problems, strict=True)) < len(problems)
+
+
+def test_unreachable_hub_model_is_a_clear_error():
+    from llmrl.models import load_model
+
+    with pytest.raises(ValueError, match=r"model spec 'llmrl-test/no-such-model': cannot load its tokenizer"):
+        load_model("llmrl-test/no-such-model")
