@@ -404,8 +404,10 @@ class LocalEngine:
 
         Returns the requests to prefill this step, or None when there is nothing to do.
         """
-        cancelled = [row for row, seq in enumerate(self._running) if seq.request.future.cancelled()]
-        if cancelled:
+        # One check per request, not per row: `Future.cancelled` takes a lock, and a step has
+        # many rows per request (a GRPO group).
+        if any(request.future.cancelled() for request in {seq.request for seq in self._running}):
+            cancelled = [row for row, seq in enumerate(self._running) if seq.request.future.cancelled()]
             self._remove_rows(cancelled)
         if self._updates and (not self._running or self.weight_update == "abort"):
             if self._running:

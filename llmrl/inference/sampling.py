@@ -3,14 +3,19 @@
 Every row of a decode batch is one sequence with its own temperature, top-k, top-p and random
 stream. A step draws all rows' tokens with a handful of tensor ops (no per-row kernels):
 
-1. ``logprobs = log_softmax(logits / T)`` in float32, *before* any filtering. This is the logprob
-   the engine reports for the chosen token (the semantics in ``llmrl/types.py``), so trainer and
-   inference logprobs of the same weights agree.
+1. ``probs = softmax(logits / T)`` in float32, *before* any filtering; the engine reports
+   ``log(probs[token])``, i.e. ``log_softmax(logits / T)[token]`` (the semantics in
+   ``llmrl/types.py``), so trainer and inference logprobs of the same weights agree. One pass over
+   the vocabulary instead of ``log_softmax`` then ``exp`` (~45 us of a ~4 ms step at 64 rows x
+   1024 tokens); the log of a float32 probability is within ~1e-7 of ``log_softmax``, and a
+   drawn token never has probability 0 (step 3), a greedy one is the most likely.
 2. Top-k, then top-p on the top-k-renormalised distribution (the order of Hugging Face's logits
    warpers): on each row's probabilities sorted in descending order, drop ranks >= k, then every
    token whose higher-ranked mass already reaches ``top_p`` of what top-k kept (the first token is
    always kept); the smallest kept probability becomes a threshold applied in vocabulary order.
-   Skipped entirely (no sort) when no row of the batch filters.
+   Only the largest ``max(PARTIAL_SORT, top_k)`` probabilities are ranked (``topk``) unless a
+   top-p row keeps them all (then the whole vocabulary is sorted); skipped entirely when no row
+   of the batch filters.
 3. Inverse-CDF sampling with *one uniform per row*, always in vocabulary order: the token is the
    first index whose cumulative (unnormalised) probability exceeds ``u * total``. Zeroed tokens
    own an empty interval and can never be drawn.
@@ -91,14 +96,14 @@ def sample_tokens(
     """
     logits = logits.float()  # (B, V)
     scaled = logits if rows.unit_temperature else logits / rows.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V), before top-k/top-p
+    probs = torch.softmax(scaled, dim=-1)  # (B, V), before top-k/top-p
     if rows.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        tokens = _inverse_cdf(logprobs.exp(), rows, uniforms)
+        tokens = _inverse_cdf(probs, rows, uniforms)
         if rows.any_greedy:
             tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
 
 
 def _inverse_cdf(probs: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor) -> torch.Tensor:
@@ -111,6 +116,16 @@ def _inverse_cdf(probs: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor)
     return torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
 
 
+PARTIAL_SORT = 64
+"""Top-k/top-p first look at each row's `PARTIAL_SORT` largest probabilities (``topk``), and sort
+the whole vocabulary only when some row's kept set may reach beyond them. Measured (64 rows x
+1024 tokens, 2 threads): a full sort ~1.7 ms per step, against a ~3 ms decode step; ``topk(64)``
+~0.3 ms. A sampling step with top_p=0.9 at T=0.7 on peaked logits (randn x 4) went from 3.4 to
+0.8 ms; a flat distribution (randn x 1) pays both, 3.9 ms. The tiny model's nucleus of 0.9 holds
+1-8 tokens. Top-p's mass is the row's whole sum here rather than the sorted prefix sum, equal up
+to float32 rounding."""
+
+
 def _top_k_top_p(probs: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """Zero the probabilities each row's top-k/top-p removes, keeping the vocabulary order.
 
@@ -119,13 +134,35 @@ def _top_k_top_p(probs: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     keeps a seeded sequence independent of its batch. Tokens tied with the threshold are kept
     (as Hugging Face's top-k does).
     """
-    ordered = probs.sort(dim=-1, descending=True).values  # (B, V)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)
-    in_top_k = ranks < rows.top_k  # (B, V)
+    vocab = probs.shape[-1]
+    filtered_k = rows.top_k[rows.top_k < vocab]
+    head = max(PARTIAL_SORT, int(filtered_k.max()) if len(filtered_k) else 0)
+    if head < vocab:
+        # top-k never cuts beyond `head`; a row without top-p keeps everything (threshold 0);
+        # a top-p row that keeps all `head` ranks may keep more: then sort everything.
+        threshold, kept = _threshold(probs.topk(head, dim=-1).values, probs.sum(dim=-1, keepdim=True), rows)
+        no_top_p = rows.top_p == math.inf
+        if not bool(((kept == head) & ~no_top_p & (rows.top_k > head)).any()):
+            threshold = threshold.masked_fill(no_top_p & (rows.top_k == vocab), 0.0)
+            return probs.masked_fill(probs < threshold, 0.0)
+    threshold, _ = _threshold(probs.sort(dim=-1, descending=True).values, None, rows)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _threshold(ordered: torch.Tensor, total: torch.Tensor | None, rows: RowSampling
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest kept probability (B, 1) and the number of ranks kept (B, 1), from each row's
+    largest probabilities in descending order (B, R). `total` (B, 1) is each row's whole mass,
+    None when `ordered` holds the whole vocabulary."""
+    ranks = torch.arange(ordered.shape[-1], device=ordered.device)
+    in_top_k = ranks < rows.top_k  # (B, R)
     ordered = ordered.masked_fill(~in_top_k, 0.0)
     cumulative = ordered.cumsum(dim=-1)
+    # Mass top-k keeps: the prefix up to rank k, or the whole mass where top-k is off.
+    kept_mass = cumulative[:, -1:] if total is None else torch.where(rows.top_k <= ordered.shape[-1],
+                                                                      cumulative[:, -1:], total)
     # Keep a token while the mass ranked above it is below top_p of what top-k kept: the smallest
     # prefix whose mass reaches top_p. The first token is always kept.
-    keep = in_top_k & (cumulative - ordered < rows.top_p * cumulative[:, -1:])
-    threshold = ordered.gather(-1, keep.sum(dim=-1, keepdim=True) - 1)  # (B, 1) smallest kept probability
-    return probs.masked_fill(probs < threshold, 0.0)
+    keep = in_top_k & (cumulative - ordered < rows.top_p * kept_mass)
+    kept = keep.sum(dim=-1, keepdim=True)
+    return ordered.gather(-1, kept - 1), kept

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from llmrl.inference import sampling
 from llmrl.inference.sampling import MAX_UNIFORM, row_sampling, sample_tokens
 from llmrl.types import GenerationArgs
 
@@ -78,6 +79,18 @@ def test_logprobs_are_taken_before_filtering_and_greedy_reports_temperature_one(
     assert tokens[1] in logits[1].topk(3).indices
 
 
+def test_an_unlikely_drawn_token_reports_its_log_softmax():
+    # The logprob is log(softmax[token]); for a token of probability ~1e-6 it must still match
+    # log_softmax (no precision lost to taking the log of a small float32).
+    logits = torch.tensor([[10.0, -4.0, 0.0]])
+    probs = torch.softmax(logits, dim=-1)
+    cdf = probs.cumsum(dim=-1)[0]
+    u = ((cdf[0] + probs[0, 1] / 2) / cdf[-1]).reshape(1)  # inside token 1's interval
+    token, logprob = sample_tokens(logits, row_sampling([GenerationArgs()], 3, "cpu"), u)
+    assert token.item() == 1 and probs[0, 1] < 1e-6
+    assert abs(logprob.item() - torch.log_softmax(logits.double(), dim=-1)[0, 1].item()) < 1e-5
+
+
 def test_a_row_draws_the_same_token_whatever_its_neighbours_do():
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(1, 40, generator=generator)
@@ -90,6 +103,21 @@ def test_a_row_draws_the_same_token_whatever_its_neighbours_do():
         rows = row_sampling(neighbours, 40, "cpu")
         tokens, _ = sample_tokens(batch_logits, rows, torch.stack([torch.rand(()), u, torch.rand(()), torch.rand(())]))
         assert tokens[1] == alone
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.5])  # peaked: decided in the partial sort; flat: falls back
+def test_partial_sort_filters_like_a_full_sort(spread, monkeypatch):
+    vocab = 4 * sampling.PARTIAL_SORT
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * spread
+    args = [GenerationArgs(top_p=0.9), GenerationArgs(top_k=10), GenerationArgs(), GenerationArgs(top_k=100, top_p=0.5),
+            GenerationArgs(top_k=sampling.PARTIAL_SORT, top_p=0.99), GenerationArgs(temperature=0.0)]
+    rows = row_sampling(args, vocab, "cpu")
+    probs = torch.softmax(logits, dim=-1)
+    partial = sampling._top_k_top_p(probs, rows)
+    monkeypatch.setattr(sampling, "PARTIAL_SORT", vocab)  # sort the whole vocabulary
+    full = sampling._top_k_top_p(probs, rows)
+    assert torch.equal(partial > 0, full > 0)
+    assert (full[1] > 0).sum() == 10 and (full[2] > 0).all()
 
 
 def test_uniform_rounding_to_one_never_draws_a_filtered_token():
