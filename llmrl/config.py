@@ -187,8 +187,8 @@ class LoggingConfig(Section):
     """Log to Weights & Biases (needs the `wandb` extra)."""
     wandb_project: str = "llmrl"
     """W&B project name."""
-    wandb_mode: Literal["online", "offline"] = "offline"
-    """W&B mode; offline writes locally and can be synced later."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """W&B mode; offline writes locally and can be synced later, disabled makes every call a no-op."""
     rollouts_per_step: int = Field(8, ge=0)
     """Rollouts written to rollouts.jsonl per step (text, reward)."""
     trace: bool = True
