@@ -283,13 +283,10 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         field = model.model_fields.get(part)
         if field is None:
             return []
-        annotation = field.annotation
-        args = getattr(annotation, "__args__", ()) or ()
-        candidates = [annotation, *args]
-        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
-        if not nested:
+        nested, _ = _section_type(field.annotation)
+        if nested is None:
             return []
-        model = nested[0]
+        model = nested
     return list(model.model_fields)
 
 
