@@ -8,7 +8,8 @@
     llmrl config show [CONFIG] [--set key=value]    print the fully resolved config
 
 User mistakes (bad config, missing file) print one clear message and exit with status 2;
-commands whose machinery is not part of this version say so and exit with status 3.
+commands whose machinery is not part of this version say so and exit with status 3; Ctrl-C exits
+with 130 (a training run first saves a checkpoint of its last finished step).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from llmrl.config import RunConfig, dump_config, load_config
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
 
 class NotAvailableError(RuntimeError):
@@ -76,6 +77,14 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
     return summary
 
 
+def _model_spec(path_or_spec: str) -> str:
+    """A run or checkpoint folder stands for the model folder inside it; anything else is a model spec."""
+    from llmrl.trainer.checkpoint import resolve_model_folder
+
+    folder = resolve_model_folder(path_or_spec) if Path(path_or_spec).is_dir() else None
+    return str(folder) if folder is not None else path_or_spec
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
@@ -83,6 +92,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     config = _load(args)
+    if args.model is not None:
+        config.model.spec = _model_spec(args.model)
     summary = _evaluate(config, f"evaluation of {config.model.spec}")
     out = Path(config.run_dir) / "eval.json"
     _write_json(out, {"model": config.model.spec, "evaluation": summary})
@@ -91,22 +102,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from llmrl.evaluation import summary_table
+    from llmrl.trainer import Trainer
+
     config = _load(args)
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
-    started = time.perf_counter()
-    summary = _evaluate(config, f"starting policy: {config.model.spec}")
-    _write_json(
-        run_dir / "summary.json",
-        {"eval_start": summary, "steps": 0, "seconds": round(time.perf_counter() - started, 3)},
-    )
-    print(
-        f"Evaluated the starting policy; results in {run_dir / 'summary.json'}.\n"
-        "The RL training loop (rollouts -> GRPO update -> weight sync) is not part of this version yet: "
-        "this run stopped after the start-of-training evaluation."
-    )
+    trainer = Trainer(config, resume=args.resume)
+    if trainer.step:
+        print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
+    summary = trainer.run()
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    for key, title in (("eval_start", "before training (step 0)"), ("eval_end", f"after {summary['steps']} steps")):
+        if summary[key]:
+            console.print(summary_table(summary[key], f"held-out evaluation {title}"))
+    for env, change in _improvement(summary).items():
+        print(f"{env}: sampled accuracy (pass@1) {change}")
+    print(f"run folder: {config.run_dir} (metrics.jsonl, curves.png, checkpoints/)")
     return 0
+
+
+def _improvement(summary: dict) -> dict[str, str]:
+    """Per environment, 'before -> after (+N points)' of pass@1 when both evaluations have it."""
+    lines = {}
+    for env, end in summary["eval_end"].items():
+        start = summary["eval_start"].get(env, {})
+        if "pass@1" in start and "pass@1" in end:
+            points = 100 * (end["pass@1"] - start["pass@1"])
+            lines[env] = f"{start['pass@1']:.3f} -> {end['pass@1']:.3f} ({points:+.1f} points)"
+    return lines
 
 
 def cmd_serve_env(args: argparse.Namespace) -> int:
@@ -121,7 +145,7 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from llmrl.models import export_model
 
-    path = export_model(args.source, args.output, dtype=args.dtype)
+    path = export_model(_model_spec(args.source), args.output, dtype=args.dtype)
     print(f"wrote {args.source} as a Hugging Face model folder: {path}")
     return 0
 
@@ -140,9 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = command("train", cmd_train, "Train a policy with GRPO-family RL (no CONFIG: the built-in demo).")
     _add_config_arguments(train, required=False)
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run folder's latest checkpoint even if the config changed "
+        "(an unchanged config resumes without it)",
+    )
 
     evaluate = command("eval", cmd_eval, "Evaluate a model (pass@k, greedy accuracy) on the config's environments.")
     _add_config_arguments(evaluate, required=False)
+    evaluate.add_argument(
+        "--model",
+        metavar="PATH",
+        help="model to evaluate instead of the config's: a run or checkpoint folder, a model folder or a spec",
+    )
 
     serve_env = command("serve-env", cmd_serve_env, "Serve the config's environments over HTTP.")
     _add_config_arguments(serve_env, required=True)
@@ -157,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_inference.add_argument("--port", type=int, default=8000, help="port to listen on")
 
     export = command("export", cmd_export, "Write a model (spec or folder) as a plain Hugging Face model folder.")
-    export.add_argument("source", help="model spec (tiny://arithmetic), Hugging Face folder or hub id")
+    export.add_argument(
+        "source", help="run or checkpoint folder, model spec (tiny://arithmetic), Hugging Face folder or hub id"
+    )
     export.add_argument("output", help="folder to write (must not exist or be empty)")
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
@@ -179,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotAvailableError as exc:
         print(f"llmrl {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        print(f"llmrl {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

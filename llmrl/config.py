@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmrl.types import GenerationArgs
 
@@ -196,6 +196,11 @@ class LoggingConfig(Section):
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Progress display: a rich bar on a terminal, plain lines otherwise."""
 
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
 
 class RunConfig(Section):
     seed: int = 0
@@ -230,6 +235,23 @@ class RunConfig(Section):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"environments: env ids must be unique, repeated: {duplicates} (set env_id)")
+        training = self.training
+        if training.group_size < 2:
+            raise ValueError(
+                "training.group_size: 1 leaves every rollout alone in its group, so its baseline is its own "
+                "reward and every advantage is 0 (nothing is learned); use 2 or more"
+            )
+        if training.mini_batches > training.prompts_per_step * training.group_size:
+            raise ValueError(
+                f"training.mini_batches: {training.mini_batches} is more than the "
+                f"{training.prompts_per_step * training.group_size} rollouts of a step"
+            )
+        if training.micro_batch_tokens <= self.inference.generation.max_tokens:
+            raise ValueError(
+                f"training.micro_batch_tokens: {training.micro_batch_tokens} tokens cannot hold one rollout of "
+                f"inference.generation.max_tokens={self.inference.generation.max_tokens} completion tokens "
+                "plus its prompt; raise it"
+            )
         too_big = [k for k in self.evaluation.ks if k > self.evaluation.samples_per_prompt or k < 1]
         if too_big:
             raise ValueError(

@@ -22,6 +22,8 @@ This module is `llmrl.logging`; it never imports the standard `logging` module b
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import itertools
 import json
 import math
@@ -53,12 +55,17 @@ def _json_line(record: JsonRecord) -> str:
     return json.dumps(_json_safe(record), allow_nan=False, ensure_ascii=False) + "\n"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it, so readers never see half a file."""
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write through a temporary file in the same folder and rename it, so readers never see half a file.
+
+    The file is readable by all (0644) like other run outputs, not private like the temporary file.
+    """
+    path = Path(path)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
-            tmp.write(text)
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp_name, 0o644)
         os.replace(tmp_name, path)
     except BaseException:
         os.unlink(tmp_name)
@@ -102,7 +109,7 @@ class _JsonlAppender:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and (resume_step is not None or not self._ends_with_newline()):
             kept = [r for r in read_jsonl(self.path) if resume_step is None or r["step"] <= resume_step]
-            _atomic_write_text(self.path, "".join(_json_line(r) for r in kept))
+            atomic_write(self.path, "".join(_json_line(r) for r in kept))
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
 
@@ -352,7 +359,7 @@ class Tracer:
             other_data = {"dropped_events": self._dropped_events}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other_data}
-        _atomic_write_text(self.path, json.dumps(trace, default=str, allow_nan=False))
+        atomic_write(self.path, json.dumps(trace, default=str, allow_nan=False))
 
     def _record_span(self, name: str, args: dict[str, Any], start_ns: int, end_ns: int) -> None:
         with self._lock:
@@ -387,3 +394,26 @@ class Tracer:
             metadata = {"name": "thread_name", "ph": "M", "pid": self._pid, "tid": track_id}
             self._add_event({**metadata, "args": {"name": label}})
         return track_id
+
+
+_active_tracer: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("llmrl_tracer", default=None)
+
+
+@contextlib.contextmanager
+def use_tracer(tracer: Tracer):
+    """Make `tracer` the one `trace_span` records into, in this context and the tasks it starts."""
+    token = _active_tracer.set(tracer)
+    try:
+        yield tracer
+    finally:
+        _active_tracer.reset(token)
+
+
+def trace_span(name: str, **args: Any) -> contextlib.AbstractContextManager[Any]:
+    """A span on the active tracer (see `use_tracer`), or a no-op when there is none.
+
+    Lets code that does not own the tracer, such as agents timing their reward calls, appear on the
+    trainer's timeline without being handed the tracer.
+    """
+    tracer = _active_tracer.get()
+    return tracer.span(name, **args) if tracer is not None else contextlib.nullcontext()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmrl.inference.interface import InferenceInterface
+from llmrl.seeding import derive_seed
 from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, RolloutGroup, TokenRollout
 
 
@@ -54,6 +55,19 @@ def placeholder_rollout(env_id: str, problem_id: str, reason: str) -> TokenRollo
     )
 
 
+def request_args(args: GenerationArgs, *keys: object) -> GenerationArgs:
+    """`args` for one request: a seeded `args` gets its own seed derived from ``(seed, *keys)``.
+
+    Agents call this with keys that name the request (environment, group or problem, sample, turn),
+    so a seeded run samples the same tokens for the same request whatever order requests are
+    served in (concurrent rewards, multi-turn episodes, a run resumed mid-way). Unseeded `args` are
+    returned unchanged and the inference backend picks the randomness.
+    """
+    if args.seed is None:
+        return args
+    return args.model_copy(update={"seed": derive_seed(args.seed, *keys)})
+
+
 def has_signal(group: RolloutGroup) -> bool:
     """True when the group's valid rewards differ, i.e. GRPO advantages are not all zero."""
     rewards = {r.reward for r in group.rollouts if r.is_valid}
@@ -86,6 +100,10 @@ class Agent(ABC):
         generation_args: GenerationArgs | None = None,
     ) -> EvaluationResponse:
         """The first `num_prompts` held-out problems, sampled `samples_per_prompt` times (plus greedily)."""
+
+    def check_problems(self) -> None:
+        """Load and validate the problems now, so a bad dataset fails before any model is loaded."""
+        return None  # agents without a local problem set (e.g. remote ones) have nothing to check
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must save to resume the problem order."""

@@ -207,6 +207,11 @@ class WeightedMultiTask:
         responses = await asyncio.gather(*(evaluate_one(a) for a in wrapped))
         return {response.env_id: response for response in responses}
 
+    def check_problems(self) -> None:
+        """Every agent's `check_problems` (datasets load, columns exist, splits are non-empty)."""
+        for agent in self.agents:
+            agent.check_problems()
+
     def state_dict(self) -> dict[str, Any]:
         return {agent.env_id: agent.state_dict() for agent in self.agents}
 

@@ -11,6 +11,9 @@ to stop. Everything else is done here:
 * a multi-turn episode is continued at the token level: the next request carries the exact ids
   so far in `prompt_token_ids`, so earlier turns are never re-tokenised, and only the model's own
   tokens are marked in the generation mask;
+* a seeded request (`GenerationArgs.seed`) is split into one seed per request, derived from the
+  environment, group or problem, sample and turn (`request_args`), so seeded runs sample the same
+  tokens however the requests interleave;
 * failures are isolated: an exception or a timeout in inference, `observe` or `reward` turns the
   affected rollouts into placeholders (`status="placeholder"`, `failure_reason`), counted in
   `pop_metrics()` and logged, while the rest of the group and batch go on.
@@ -35,9 +38,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text
+from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, request_args
 from llmrl.agents.sampler import EpochSampler
 from llmrl.inference.interface import InferenceInterface
+from llmrl.logging import trace_span
 from llmrl.types import (
     ChatMessage,
     EvaluationResponse,
@@ -186,6 +190,9 @@ class RewardOnlyAgent(Agent):
             raise ValueError(f"{self.env_id}: no training problems")
         return train, evaluation
 
+    def check_problems(self) -> None:
+        self._splits  # noqa: B018 - loads and checks both splits
+
     @property
     def train_problems(self) -> list[Problem]:
         return self._splits[0]
@@ -213,7 +220,12 @@ class RewardOnlyAgent(Agent):
         problems = [self.train_problems[i] for i in self._sampler.take(num_groups)]
         first = self._groups_drawn
         self._groups_drawn += num_groups
-        samples = await asyncio.gather(*(self._sample(inference, p, group_size, args) for p in problems))
+        samples = await asyncio.gather(
+            *(
+                self._sample(inference, p, group_size, request_args(args, self.env_id, "train", first + i))
+                for i, p in enumerate(problems)
+            )
+        )
         return [
             RolloutGroup(group_id=f"{self.env_id}/{first + i}", rollouts=rollouts)
             for i, rollouts in enumerate(samples)
@@ -236,9 +248,13 @@ class RewardOnlyAgent(Agent):
         greedy_args = args.model_copy(update={"temperature": 0.0})
 
         async def evaluate_one(problem: Problem) -> EvaluationResult:
-            requests = [self._sample(inference, problem, samples_per_prompt, args)]
+            requests = [
+                self._sample(inference, problem, samples_per_prompt, request_args(args, self.env_id, "eval", problem.id))
+            ]
             if greedy:
-                requests.append(self._sample(inference, problem, 1, greedy_args))
+                requests.append(
+                    self._sample(inference, problem, 1, request_args(greedy_args, self.env_id, "greedy", problem.id))
+                )
             sampled, *greedy_sample = await asyncio.gather(*requests)
             best = greedy_sample[0][0] if greedy_sample else None
             return EvaluationResult(
@@ -282,13 +298,19 @@ class RewardOnlyAgent(Agent):
             reason = self._record_failure("inference", problem, exc, count=n)
             return [placeholder_rollout(self.env_id, problem.id, reason) for _ in range(n)]
         return list(
-            await asyncio.gather(*(self._finish_episode(inference, problem, r, args) for r in responses))
+            await asyncio.gather(
+                *(
+                    self._finish_episode(inference, problem, r, request_args(args, "sample", i))
+                    for i, r in enumerate(responses)
+                )
+            )
         )
 
     async def _generate(
         self, inference: InferenceInterface, request: InferenceRequest
     ) -> list[InferenceResponse]:
-        responses = await asyncio.wait_for(inference.agenerate(request), self.inference_timeout_s)
+        with trace_span("generate", env=self.env_id, n=request.n):
+            responses = await asyncio.wait_for(inference.agenerate(request), self.inference_timeout_s)
         if len(responses) != request.n:
             raise RuntimeError(f"asked for {request.n} completions, got {len(responses)}")
         return responses
@@ -318,7 +340,7 @@ class RewardOnlyAgent(Agent):
                 )
                 prefix = trajectory.tokens
                 request = InferenceRequest(
-                    prompt=follow_up, prompt_token_ids=prefix, generation_args=args, n=1
+                    prompt=follow_up, prompt_token_ids=prefix, generation_args=request_args(args, "turn", turn), n=1
                 )
                 (response,) = await self._generate(inference, request)
                 trajectory.add_turn(message, response)
@@ -339,8 +361,9 @@ class RewardOnlyAgent(Agent):
 
     async def _call_env(self, fn: Callable[..., Any], *args: Any) -> Any:
         async with self._reward_slots():
-            call = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
-            return await asyncio.wait_for(call, self.reward_timeout_s)
+            with trace_span(fn.__name__, env=self.env_id):
+                call = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
+                return await asyncio.wait_for(call, self.reward_timeout_s)
 
     def _record_failure(self, stage: str, problem: Problem, exc: BaseException, *, count: int) -> str:
         if isinstance(exc, asyncio.TimeoutError | TimeoutError):

@@ -1,0 +1,251 @@
+"""One policy update: packed micro-batches, old/reference logprobs, the GRPO-family loss, AdamW.
+
+Per step the trainer hands over a `RolloutBatch`. For each of `iterations` passes, the batch is
+split into `mini_batches` (one optimizer step each, in a seeded random order when there are
+several); each mini-batch is packed into micro-batches of at most `micro_batch_tokens` tokens whose
+losses, all divided by the mini-batch's denominator, add up to the mini-batch loss before one
+clipped optimizer step.
+
+``pi_old`` (the denominator of the PPO ratio) is the policy before the step's first update. With one
+pass and one mini-batch it equals the policy being trained, so its logprobs are the same forward's,
+detached (the ratio is exactly 1 and no extra pass is needed); otherwise they come from a no-grad
+pass before the first update. The reference model's logprobs (``kl_beta > 0``) also come from one
+no-grad pass per step.
+
+When the loss has no KL or entropy term, a rollout with advantage exactly 0 contributes nothing but
+its share of the denominator, so it skips the forward and backward passes (whole GRPO groups with
+equal rewards are common); the loss and gradient are unchanged. A mini-batch with nothing left to
+train skips its optimizer step (there is no signal to step on).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from llmrl.algorithms.logprobs import token_logprobs
+from llmrl.algorithms.losses import policy_loss
+from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, unpack
+from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.trainer.rollouts import RolloutBatch
+
+
+def build_optimizer(
+    model: torch.nn.Module, training: TrainingConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters and its schedule, stepped once per RL step."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        parameters, lr=training.lr, betas=training.adam_betas, weight_decay=training.weight_decay
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, training))
+
+
+def lr_factor(step: int, training: TrainingConfig) -> float:
+    """Multiplier of `training.lr` for RL step `step` (0-based): linear warm-up, then the decay."""
+    if step < training.warmup_steps:
+        return (step + 1) / training.warmup_steps
+    decay_steps = max(training.steps - training.warmup_steps, 1)
+    progress = min((step - training.warmup_steps) / decay_steps, 1.0)
+    if training.lr_schedule == "linear":
+        return 1.0 - progress
+    if training.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+class PolicyUpdate:
+    """Runs the optimisation passes of one RL step on the policy (and reads the reference model)."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        algorithm: AlgorithmConfig,
+        training: TrainingConfig,
+        temperature: float,
+        max_tokens: int,
+        pad_token_id: int,
+        reference: torch.nn.Module | None = None,
+    ):
+        self.policy = policy
+        self.optimizer = optimizer
+        self.algorithm = algorithm
+        self.training = training
+        self.temperature = temperature
+        self.max_length = algorithm.max_length or max_tokens
+        self.pad_token_id = pad_token_id
+        self.reference = reference
+        self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
+        self.device = next(policy.parameters()).device
+
+    def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
+        """Train on `batch`; returns the metrics (token-weighted means over the step)."""
+        self._check_lengths(batch)
+        sequences, masks = batch.sequences, batch.loss_masks
+        forwarded = [
+            i for i in range(len(batch)) if not (self.skip_zero_advantage and batch.advantages[i] == 0)
+        ]
+        is_forwarded = set(forwarded)
+        separate_old = self.training.iterations > 1 or self.training.mini_batches > 1
+        old = self._sequence_logprobs(self.policy, sequences, masks, forwarded) if separate_old else None
+        ref = self._sequence_logprobs(self.reference, sequences, masks, forwarded) if self.reference else None
+        inference = batch.inference_logprobs
+        advantages = batch.advantages.to(self.device)
+        totals = _MetricTotals()
+        for _ in range(self.training.iterations):
+            for mini_batch in self._mini_batches(len(batch), generator):
+                normalizer = batch.normalizer(mini_batch, self.algorithm.aggregation, self.max_length)
+                chosen = [i for i in mini_batch if i in is_forwarded]
+                if not chosen:
+                    totals.add_skipped()
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for packed in self._micro_batches(sequences, masks, chosen):
+                    loss, metrics = self._loss(packed, advantages, normalizer, old, ref, inference)
+                    loss.backward()
+                    totals.add_micro_batch(metrics)
+                grad_norm = self._clip_gradients()
+                self.optimizer.step()
+                totals.add_optimizer_step(grad_norm)
+        return totals.result()
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def _check_lengths(self, batch: RolloutBatch) -> None:
+        budget = self.training.micro_batch_tokens
+        too_long = [(r.problem_id, len(r.tokens)) for r in batch.rollouts if len(r.tokens) > budget]
+        if too_long:
+            problem, length = max(too_long, key=lambda item: item[1])
+            raise ValueError(
+                f"training.micro_batch_tokens: a rollout of {length} tokens (problem {problem}) does not fit "
+                f"the micro-batch budget of {budget} tokens; raise training.micro_batch_tokens to at least {length}"
+            )
+
+    def _mini_batches(self, size: int, generator: torch.Generator) -> Iterator[list[int]]:
+        count = self.training.mini_batches
+        order = torch.randperm(size, generator=generator).tolist() if count > 1 else list(range(size))
+        for k in range(count):
+            yield order[k * size // count : (k + 1) * size // count]
+
+    def _micro_batches(
+        self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int]
+    ) -> Iterator[PackedBatch]:
+        # One packed row of at most `micro_batch_tokens` tokens per micro-batch.
+        for row in pack([len(sequences[i]) for i in indices], self.training.micro_batch_tokens):
+            yield build_batch(sequences, [[indices[j] for j in row]], masks, self.pad_token_id).to(self.device)
+
+    @torch.no_grad()
+    def _sequence_logprobs(
+        self,
+        model: torch.nn.Module | None,
+        sequences: list[list[int]],
+        masks: list[list[bool]],
+        indices: Sequence[int],
+    ) -> list[torch.Tensor | None]:
+        """Per-token logprobs of the sequences at `indices` under `model` (None for the others)."""
+        values: list[torch.Tensor | None] = [None] * len(sequences)
+        for packed in self._micro_batches(sequences, masks, indices):
+            logprobs, _ = token_logprobs(model, packed, self.temperature)
+            for i, per_token in unpack(logprobs, packed).items():
+                values[i] = per_token.cpu()
+        return values
+
+    def _loss(
+        self,
+        packed: PackedBatch,
+        advantages: torch.Tensor,
+        normalizer: float,
+        old: list[torch.Tensor | None] | None,
+        ref: list[torch.Tensor | None] | None,
+        inference: list[list[float]] | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        algorithm = self.algorithm
+        logprobs, entropies = token_logprobs(self.policy, packed, self.temperature, with_entropy=True)
+        if algorithm.entropy_coef == 0:
+            entropies = entropies.detach()  # a metric only: no backward through it
+        return policy_loss(
+            logprobs,
+            logprobs.detach() if old is None else pack_values(old, packed),
+            advantages,
+            packed.loss_mask,
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            dual_clip=algorithm.dual_clip,
+            ratio_level=algorithm.ratio_level,
+            aggregation=algorithm.aggregation,
+            max_length=self.max_length,
+            normalizer=normalizer,
+            ref_logprobs=None if ref is None else pack_values(ref, packed),
+            kl_beta=algorithm.kl_beta,
+            kl_estimator=algorithm.kl_estimator,
+            entropies=entropies,
+            entropy_coef=algorithm.entropy_coef,
+            inference_logprobs=None if inference is None else pack_values(inference, packed),
+            is_mode=algorithm.is_mode,
+            is_cap=algorithm.is_cap,
+            sequence_ids=packed.sequence_ids,
+        )
+
+    def _clip_gradients(self) -> float:
+        parameters = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.training.max_grad_norm if self.training.max_grad_norm is not None else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+
+
+class _MetricTotals:
+    """Combines `policy_loss` metrics over micro-batches and optimizer steps.
+
+    Losses add up over the micro-batches of an optimizer step (they share its denominator) and are
+    averaged over steps; maxima stay maxima; everything else is weighted by its token count.
+    """
+
+    _SUMMED = ("loss", "pg_loss")
+    _MAXED = ("is_weight_max",)
+    _COUNTS = ("num_tokens", "num_sequences")
+
+    def __init__(self) -> None:
+        self._weighted: dict[str, float] = {}
+        self._tokens = 0.0
+        self._step_sums: dict[str, float] = {}
+        self._sums: dict[str, float] = {}
+        self._maxima: dict[str, float] = {}
+        self._counts: dict[str, float] = {}
+        self._grad_norms: list[float] = []
+        self._skipped = 0
+
+    def add_micro_batch(self, metrics: dict[str, float]) -> None:
+        tokens = metrics["num_tokens"]
+        self._tokens += tokens
+        for key, value in metrics.items():
+            if key in self._SUMMED:
+                self._step_sums[key] = self._step_sums.get(key, 0.0) + value
+            elif key in self._MAXED:
+                self._maxima[key] = max(self._maxima.get(key, -math.inf), value)
+            elif key in self._COUNTS:
+                self._counts[key] = self._counts.get(key, 0.0) + value
+            else:
+                self._weighted[key] = self._weighted.get(key, 0.0) + value * tokens
+
+    def add_optimizer_step(self, grad_norm: float) -> None:
+        for key, value in self._step_sums.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+        self._step_sums = {}
+        self._grad_norms.append(grad_norm)
+
+    def add_skipped(self) -> None:
+        self._skipped += 1
+
+    def result(self) -> dict[str, float]:
+        steps = len(self._grad_norms)
+        out = {key: value / steps for key, value in self._sums.items()} if steps else {"loss": 0.0}
+        out.update({key: value / self._tokens for key, value in self._weighted.items() if self._tokens})
+        out.update(self._maxima)
+        out.update(self._counts)
+        out["grad_norm"] = sum(self._grad_norms) / steps if steps else 0.0
+        out["optimizer_steps"] = float(steps)
+        out["skipped_updates"] = float(self._skipped)
+        return out

@@ -1,0 +1,118 @@
+"""From a step's rollout groups to what the optimiser trains on, plus the rollout metrics.
+
+`prepare_batch` applies the reward shaping (DAPO soft overlong punishment), computes the group
+advantages and picks the rollouts that reach the loss:
+
+- placeholders (failed rollouts) never do; they are also left out of their group's statistics;
+- with `mask_truncated`, completions cut off by max_tokens keep their place in the statistics
+  but get no gradient (DAPO overlong filtering);
+- the loss denominator counts every rollout that reaches the loss (see `RolloutBatch.normalizer`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from llmrl.algorithms.advantages import group_advantages
+from llmrl.algorithms.losses import loss_normalizer
+from llmrl.algorithms.shaping import soft_overlong_penalty
+from llmrl.config import AlgorithmConfig
+from llmrl.types import RolloutGroup, TokenRollout
+
+
+@dataclass
+class RolloutBatch:
+    """The rollouts of one step that reach the loss, with one advantage each."""
+
+    rollouts: list[TokenRollout]
+    advantages: torch.Tensor
+    """``[len(rollouts)]`` float32."""
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [r.tokens for r in self.rollouts]
+
+    @property
+    def loss_masks(self) -> list[list[bool]]:
+        return [r.mask for r in self.rollouts]
+
+    @property
+    def inference_logprobs(self) -> list[list[float]] | None:
+        """Per token (0 off the generated tokens); None unless every rollout carries them."""
+        if any(r.logprobs is None for r in self.rollouts):
+            return None
+        return [r.flat_logprobs for r in self.rollouts]
+
+    def normalizer(self, indices: Sequence[int], aggregation: str, max_length: int) -> float:
+        """Loss denominator of the rollouts at `indices` (`llmrl.algorithms.losses.loss_normalizer`)."""
+        if not indices:
+            return 0.0
+        masks = pad_sequence([torch.tensor(self.rollouts[i].mask) for i in indices], batch_first=True)
+        return loss_normalizer(masks, aggregation, max_length=max_length)  # type: ignore[arg-type]
+
+
+def prepare_batch(
+    groups: Sequence[RolloutGroup], *, group_size: int, algorithm: AlgorithmConfig, max_tokens: int
+) -> tuple[RolloutBatch, torch.Tensor]:
+    """The step's loss rollouts and the advantage of every rollout (in group order)."""
+    for group in groups:
+        if len(group.rollouts) != group_size:
+            raise ValueError(f"group {group.group_id} has {len(group.rollouts)} rollouts, expected {group_size}")
+    rollouts = [r for group in groups for r in group.rollouts]
+    valid = torch.tensor([r.is_valid for r in rollouts], dtype=torch.bool)
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    if algorithm.overlong_buffer is not None:
+        lengths = [r.num_generated for r in rollouts]
+        buffer = min(algorithm.overlong_buffer, max_tokens)
+        penalty = soft_overlong_penalty(lengths, max_tokens, buffer, algorithm.overlong_penalty)
+        rewards = rewards + torch.where(valid, penalty, 0.0)
+    advantages = group_advantages(
+        rewards, group_size, algorithm.advantage_estimator, valid,
+        batch_std_normalize=algorithm.batch_std_normalize,
+    )  # fmt: skip
+    in_loss = [
+        i
+        for i, r in enumerate(rollouts)
+        if valid[i] and r.num_generated > 0 and not (algorithm.mask_truncated and r.truncated)
+    ]
+    return RolloutBatch([rollouts[i] for i in in_loss], advantages[in_loss]), advantages
+
+
+def rollout_metrics(
+    groups: Sequence[RolloutGroup], advantages: torch.Tensor, *, correct_threshold: float
+) -> dict[str, float]:
+    """Reward, pass rate, length and failure statistics of a step's rollouts, overall and per env."""
+    rollouts = [r for group in groups for r in group.rollouts]
+    valid = [r for r in rollouts if r.is_valid]
+    metrics: dict[str, float] = {}
+    by_env: dict[str, list[TokenRollout]] = defaultdict(list)
+    for rollout in valid:
+        by_env[rollout.env_id].append(rollout)
+    for prefix, members in [("reward", valid)] + [(f"reward/{env}", rs) for env, rs in sorted(by_env.items())]:
+        rewards = torch.tensor([r.reward for r in members], dtype=torch.float64)
+        metrics[f"{prefix}/mean"] = float(rewards.mean()) if members else math.nan
+        metrics[f"{prefix}/std"] = float(rewards.std(unbiased=False)) if members else math.nan
+        metrics[f"{prefix}/pass_rate"] = (
+            float((rewards >= correct_threshold).double().mean()) if members else math.nan
+        )
+    lengths = torch.tensor([r.num_generated for r in valid], dtype=torch.float64)
+    metrics["rollout/response_length"] = float(lengths.mean()) if valid else math.nan
+    metrics["rollout/response_length_max"] = float(lengths.max()) if valid else math.nan
+    metrics["rollout/truncated_frac"] = (
+        sum(r.truncated for r in valid) / len(valid) if valid else math.nan
+    )
+    metrics["rollout/placeholder_frac"] = 1.0 - len(valid) / len(rollouts) if rollouts else 0.0
+    if groups:
+        has_signal = advantages.view(len(groups), -1).ne(0).any(dim=1)
+        metrics["rollout/zero_signal_group_frac"] = 1.0 - float(has_signal.float().mean())
+    metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean()) if advantages.numel() else 0.0
+    return metrics

@@ -1,0 +1,320 @@
+"""The RL loop: collect rollouts, compute advantages and the loss, update, sync weights, evaluate, save.
+
+`Trainer(config).run()` is the whole of ``llmrl train``. One step::
+
+    groups   = agents.group_rollouts(inference, prompts_per_step, group_size)   generate + reward
+    batch    = prepare_batch(groups)                                            shaping, advantages
+    metrics  = update(batch)                                                    logprobs, loss, AdamW
+    inference.update_weights(policy.state_dict(), version=step)                 weight sync
+
+with evaluation at the start, every `evaluation.every` steps and at the end, and a checkpoint every
+`checkpoint.every` steps and at the end. A run folder that already holds a checkpoint of the same
+config is resumed from it; see `llmrl.trainer.checkpoint` for what is saved. Resumed runs end with
+the same weights as uninterrupted ones: every random choice is derived from `config.seed` and the
+step (generation seeds per request, mini-batch order), and the rest of the state is checkpointed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+
+from llmrl.agents import build_agents
+from llmrl.config import ConfigError, RunConfig, dump_config
+from llmrl.evaluation import Summary, evaluate_environments
+from llmrl.inference import build_inference, run_sync
+from llmrl.logging import MetricsLogger, RolloutLog, Tracer, read_metrics, use_tracer
+from llmrl.models import load_model
+from llmrl.registry import import_plugins
+from llmrl.seeding import derive_seed
+from llmrl.trainer import checkpoint as ckpt
+from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
+from llmrl.trainer.plots import plot_curves
+from llmrl.trainer.progress import ProgressDisplay
+from llmrl.trainer.rollouts import prepare_batch, rollout_metrics
+
+# Fields that may change between a run and its resumption without changing what it trains.
+_RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
+                      "inference.api_key_env", "inference.request_timeout_s")
+# Written fresh by a run that starts from step 0.
+_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard")
+
+
+class Trainer:
+    """Builds everything a config names, then `run()` trains and returns the summary."""
+
+    def __init__(self, config: RunConfig, *, resume: bool = False, progress_stream: Any = None):
+        """
+        Args:
+            config: the run.
+            resume: continue from the run folder's latest checkpoint even if the config changed in
+                fields that alter training (the default resumes only an identical config).
+            progress_stream: where the progress display writes (default: stdout).
+        """
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.progress_stream = progress_stream
+        import_plugins(config.plugins)
+        transformers.utils.logging.disable_progress_bar()  # per-load and per-save bars would drown ours
+        self.agents = build_agents(
+            config.environments, config.seed,
+            dynamic_sampling=config.algorithm.dynamic_sampling,
+            max_resample_rounds=config.algorithm.max_resample_rounds,
+        )  # fmt: skip
+        self.agents.check_problems()  # a missing dataset column fails here, before models load
+        checkpoint = _checkpoint_to_resume(config, resume)
+        _set_determinism(config)
+
+        device = _device(config.training.device)
+        self.policy, self.tokenizer = load_model(
+            str(checkpoint[1] / "model") if checkpoint else config.model.spec,
+            dtype=config.model.dtype, device=device, attn_implementation=config.model.attn_implementation,
+            trust_remote_code=config.model.trust_remote_code,
+        )  # fmt: skip
+        self.policy.train()
+        reference = None
+        if config.algorithm.kl_beta > 0:  # loaded once, never per step
+            reference, _ = load_model(config.model.spec, dtype=config.model.dtype, device=device,
+                                      attn_implementation=config.model.attn_implementation,
+                                      trust_remote_code=config.model.trust_remote_code)
+            reference.eval().requires_grad_(False)
+        self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
+        generation = config.inference.generation
+        self.generation_args = generation if generation.seed is not None else generation.merge(
+            type(generation)(seed=config.seed)
+        )
+        self.update = PolicyUpdate(
+            self.policy, self.optimizer, algorithm=config.algorithm, training=config.training,
+            temperature=generation.temperature, max_tokens=generation.max_tokens,
+            pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference,
+        )  # fmt: skip
+        self.inference = build_inference(config.inference, config.model, seed=config.seed)
+
+        self.step = 0
+        self.seconds = 0.0  # training wall time over all sessions of this run
+        self.evaluations: dict[int, Summary] = {}
+        if checkpoint:
+            self._restore(checkpoint[1])
+        else:
+            _clear_outputs(self.run_dir)
+        self._last_saved = self.step if checkpoint else -1
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train to `training.steps`; returns the summary also written to ``summary.json``."""
+        config, steps = self.config, self.config.training.steps
+        with ExitStack() as stack:
+            self._open_outputs(stack)
+            if self.step == 0 and config.evaluation.at_start and 0 not in self.evaluations:
+                self._log(0, self._evaluate(0))
+            display = stack.enter_context(ProgressDisplay(steps, start_step=min(self.step, steps),
+                                                          mode=config.logging.progress, stream=self.progress_stream))
+            try:
+                while self.step < steps:
+                    metrics = self._train_step(self.step + 1)
+                    self.step += 1
+                    if self._due(config.evaluation.every) or (self.step == steps and config.evaluation.at_end):
+                        metrics |= self._evaluate(self.step)
+                        display.message(_evaluation_line(self.step, self.evaluations[self.step]))
+                    self._log(self.step, metrics)
+                    display.update(self.step, metrics)
+                    if self._due(config.checkpoint.every) or self.step == steps:
+                        self._save()
+            except KeyboardInterrupt:
+                if self.step > self._last_saved:
+                    self._save()
+                display.message(f"interrupted after step {self.step}; the run resumes from there")
+                raise
+            if config.evaluation.at_end and self.step not in self.evaluations:  # e.g. steps: 0
+                self._log(self.step, self._evaluate(self.step))
+                self._save()
+            return self._finish()
+
+    def _train_step(self, step: int) -> dict[str, float]:
+        training, started = self.config.training, time.perf_counter()
+        step_args = self.generation_args.merge(
+            type(self.generation_args)(seed=derive_seed(self.generation_args.seed, "step", step))
+        )
+        with self.tracer.span("rollouts", step=step):  # generate + reward
+            groups = run_sync(self.agents.group_rollouts(
+                self.inference, training.prompts_per_step, training.group_size, step_args))  # fmt: skip
+        batch, advantages = prepare_batch(groups, group_size=training.group_size, algorithm=self.config.algorithm,
+                                          max_tokens=step_args.max_tokens)
+        with self.tracer.span("train", step=step, sequences=len(batch)):  # logprobs, loss, optimizer
+            learning_rate = self.scheduler.get_last_lr()[0]
+            update = self.update(batch, torch.Generator().manual_seed(derive_seed(self.config.seed, "order", step)))
+            self.scheduler.step()
+        with self.tracer.span("sync", step=step):
+            self.inference.update_weights(self.policy.state_dict(), version=step)
+        step_seconds = time.perf_counter() - started
+        self.seconds += step_seconds
+        self._log_rollouts(step, groups, advantages)
+        generated = sum(r.num_generated for g in groups for r in g.rollouts if r.is_valid)
+        metrics = rollout_metrics(groups, advantages, correct_threshold=self.config.evaluation.correct_threshold)
+        metrics |= {f"train/{key}": value for key, value in update.items()}
+        metrics |= {"train/lr": learning_rate, "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0))}
+        metrics |= {f"agents/{key}": value for key, value in self.agents.pop_metrics().items()}
+        return metrics | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
+
+    # -- evaluation, logging, checkpoints --------------------------------------------------------
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        with self.tracer.span("evaluate", step=step):
+            # The same seed at every evaluation: differences between steps come from the weights.
+            args = self.generation_args.merge(type(self.generation_args)(
+                seed=derive_seed(self.generation_args.seed, "evaluation")))
+            summary = run_sync(evaluate_environments(self.agents, self.inference, self.config.evaluation, args))
+        self.evaluations[step] = summary
+        return {f"eval/{env}/{name}": value for env, metrics in summary.items() for name, value in metrics.items()}
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        """Write one step's line, with the seconds spent in each traced phase since the last line."""
+        phases = self.tracer.durations(reset=True)
+        self.metrics_logger.log(step, metrics | {f"time/{name}_s": seconds for name, seconds in phases.items()})
+        self.tracer.save()
+
+    def _log_rollouts(self, step: int, groups: list[Any], advantages: torch.Tensor) -> None:
+        rollouts = [r for g in groups for r in g.rollouts]
+        count = min(self.config.logging.rollouts_per_step, len(rollouts))
+        for k in range(count):  # spread over the step's groups
+            index = k * len(rollouts) // count
+            self.rollout_log.log(step, rollouts[index], advantage=float(advantages[index]))
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "step": self.step,
+            "seconds": self.seconds,
+            "evaluations": self.evaluations,
+            "agents": self.agents.state_dict(),
+            "rng": ckpt.rng_state(),
+        }
+        if self.config.checkpoint.save_optimizer:
+            state |= {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return state
+
+    def _save(self) -> None:
+        with self.tracer.span("checkpoint", step=self.step):
+            ckpt.save_checkpoint(
+                self.run_dir, self.step, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
+                config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
+            )  # fmt: skip
+        self._last_saved = self.step
+
+    def _restore(self, folder: Path) -> None:
+        state = ckpt.load_trainer_state(folder)
+        self.step, self.seconds, self.evaluations = state["step"], state["seconds"], state["evaluations"]
+        self.agents.load_state_dict(state["agents"])
+        ckpt.set_rng_state(state["rng"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        else:  # the schedule still follows the step; Adam's moments start over
+            self.scheduler.last_epoch = self.step
+            self.scheduler.step(self.step)
+        self.inference.update_weights(self.policy.state_dict(), version=self.step)
+
+    def _open_outputs(self, stack: ExitStack) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(self.config))
+        resume_step = self.step if self._last_saved >= 0 else None
+        logging = self.config.logging
+        self.metrics_logger = stack.enter_context(MetricsLogger(
+            self.run_dir, tensorboard=logging.tensorboard, wandb=logging.wandb, wandb_project=logging.wandb_project,
+            wandb_mode=logging.wandb_mode, config=self.config.model_dump(mode="json"), resume_step=resume_step,
+        ))  # fmt: skip
+        self.rollout_log = stack.enter_context(RolloutLog(self.run_dir / "rollouts.jsonl", resume_step=resume_step))
+        self.tracer = Tracer(self.run_dir / "trace.json", enabled=logging.trace)
+        stack.callback(self.tracer.save)
+        stack.enter_context(use_tracer(self.tracer))
+
+    def _finish(self) -> dict[str, Any]:
+        last = max(self.evaluations, default=None)
+        summary = {
+            "eval_start": self.evaluations.get(0, {}),
+            "eval_end": self.evaluations[last] if last is not None and last == self.step else {},
+            "steps": self.step,
+            "seconds": round(self.seconds, 3),
+        }
+        (self.run_dir / "summary.json").write_text(_json(summary))
+        plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png",
+                    title=f"{self.config.model.spec} on {', '.join(e.name for e in self.config.environments)}")
+        return summary
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | None:
+    """The run folder's latest checkpoint when this config may continue it; errors explain when not."""
+    latest = ckpt.latest_checkpoint(config.run_dir)
+    if latest is None:
+        if force:
+            raise ConfigError(f"--resume: {config.run_dir} has no checkpoint to resume from")
+        return None
+    saved = yaml.safe_load((latest[1] / "config.yaml").read_text())
+    changes = _config_changes(saved, config.model_dump(mode="json"))
+    blocking = [c for c in changes if not c.split(":")[0].startswith(_RESUMABLE_CHANGES)]
+    if blocking and not force:
+        raise ConfigError(
+            f"run_dir {config.run_dir} holds a checkpoint at step {latest[0]} of a different config "
+            f"({'; '.join(blocking[:5])}). Pass --resume to continue it with this config, or choose a new run_dir."
+        )
+    return latest
+
+
+def _config_changes(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for key in sorted(set(old) | set(new))
+                for change in _config_changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)]
+    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+
+
+def _clear_outputs(run_dir: Path) -> None:
+    """A run starting at step 0 replaces what an earlier, never-checkpointed attempt left."""
+    for name in _RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _set_determinism(config: RunConfig) -> None:
+    torch.manual_seed(config.seed)
+    if config.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: 'cuda' was asked for but no CUDA device is available")
+    return choice
+
+
+def _evaluation_line(step: int, summary: Summary) -> str:
+    parts = []
+    for env, metrics in summary.items():
+        shown = ", ".join(f"{name} {metrics[name]:.3f}" for name in ("pass@1", "greedy_accuracy") if name in metrics)
+        parts.append(f"{env}: {shown}")
+    return f"evaluation at step {step}: " + "; ".join(parts)
+
+
+def _json(data: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(data, indent=2) + "\n"

@@ -1,0 +1,164 @@
+"""`llmrl train` end to end on the tiny model: run folder, learning, exact resume after SIGKILL, golden numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmrl.config import load_config
+from llmrl.logging import read_jsonl, read_metrics
+from llmrl.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+QUICK = [
+    "evaluation.num_prompts=8", "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]",
+    "logging.progress=plain", "logging.tensorboard=false",
+]  # fmt: skip
+
+
+def train(run_dir: Path, *overrides: str) -> dict:
+    config = load_config(None, [f"run_dir={run_dir}", *QUICK, *overrides])
+    return Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
+
+
+def llmrl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmrl", *argv], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    folders = sorted((run_dir / "checkpoints").glob("step_*"))
+    return load_file(folders[-1] / "model" / "model.safetensors")
+
+
+def test_short_run_writes_the_whole_run_folder(tmp_path, tiny_model_path):
+    run = tmp_path / "run"
+    summary = train(run, "training.steps=3", "evaluation.every=2", "checkpoint.every=2", "checkpoint.keep_last=1")
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
+        assert math.isfinite(row["train/loss"]) and math.isfinite(row["reward/mean"])
+        assert row["time/step_s"] > 0 and row["train/lr"] == pytest.approx(2e-5)
+        for key in ("train/grad_norm", "train/entropy", "train/clip_frac_high", "train/mismatch_kl",
+                    "rollout/response_length", "rollout/truncated_frac", "reward/arithmetic/pass_rate",
+                    "perf/tokens_per_s", "time/generate_s", "time/reward_s", "time/train_s", "time/sync_s"):
+            assert key in row, key
+        assert abs(row["train/mismatch_kl"]) < 1e-4  # engine and trainer logprobs of the same weights agree
+    assert "eval/arithmetic/pass@1" in rows[0] and "eval/arithmetic/pass@1" in rows[2]
+    assert summary["steps"] == 3 and set(summary["eval_start"]) == set(summary["eval_end"]) == {"arithmetic"}
+    assert json.loads((run / "summary.json").read_text())["eval_end"] == summary["eval_end"]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000003"]
+    assert (run / "checkpoints" / "step_000003" / "model" / "config.json").is_file()
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    spans = {e["name"] for e in json.loads((run / "trace.json").read_text())["traceEvents"]}
+    assert {"rollouts", "generate", "reward", "train", "sync", "evaluate", "checkpoint"} <= spans
+    logged = read_jsonl(run / "rollouts.jsonl")
+    assert len(logged) == 3 * 8 and {"prompt", "completion", "reward", "advantage"} <= set(logged[0])
+    assert (run / "config.yaml").is_file()
+
+
+def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
+    """Pins the first steps' numbers: a refactor that changes them must say why and update these."""
+    train(tmp_path, "training.steps=3", "evaluation.at_start=false", "evaluation.at_end=false", "training.lr=1e-4")
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    observed = [(row["train/loss"], row["reward/mean"], row["train/entropy"]) for row in rows]
+    expected = [  # (train/loss, reward/mean, train/entropy) of steps 1..3
+        (-0.01130659319460392, 0.234375, 0.38583847880363464),
+        (-0.005564621649682522, 0.390625, 0.4620368480682373),
+        (4.0755314678619925e-09, 0.359375, 0.3516257405281067),
+    ]
+    for got, want in zip(observed, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path):
+    argv = ["train", *[a for o in QUICK for a in ("--set", o)], "--set", "training.steps=6",
+            "--set", "checkpoint.every=1", "--set", "evaluation.every=3", "--set", "training.lr=1e-4"]
+    whole = llmrl(*argv, "--set", f"run_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+
+    killed_dir = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "llmrl", *argv, "--set", f"run_dir={killed_dir}"],
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (killed_dir / "checkpoints" / "step_000003").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed_dir / "checkpoints" / "step_000006").exists()
+
+    resumed = llmrl(*argv, "--set", f"run_dir={killed_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    expected, actual = final_weights(tmp_path / "whole"), final_weights(killed_dir)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    whole_rows = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed_rows = read_metrics(killed_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed_rows] == [r["step"] for r in whole_rows]  # no step logged twice
+    assert [r.get("train/loss") for r in resumed_rows] == [r.get("train/loss") for r in whole_rows]
+    assert json.loads((killed_dir / "summary.json").read_text())["eval_end"] == json.loads(
+        (tmp_path / "whole" / "summary.json").read_text())["eval_end"]
+
+
+def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
+    base = ["training.steps=2", "evaluation.at_start=false", "evaluation.at_end=false"]
+    train(tmp_path, *base)
+    with pytest.raises(ValueError, match=r"different config \(training.lr: 2e-05 -> 0.001\)"):
+        Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base, "training.lr=1e-3"]))
+    extended = Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base[1:], "training.steps=3"]))
+    assert extended.step == 2  # more steps of the same run is a resumption
+    forced = Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base, "training.lr=1e-3"]), resume=True)
+    assert forced.step == 2
+
+
+def test_held_out_reward_rises(tmp_path, tiny_model_path):
+    summary = train(tmp_path, "training.steps=100", "evaluation.every=0", "checkpoint.every=0",
+                    "evaluation.num_prompts=64", "evaluation.samples_per_prompt=8", "evaluation.ks=[1, 8]",
+                    "training.lr=1e-4")
+    before, after = summary["eval_start"]["arithmetic"], summary["eval_end"]["arithmetic"]
+    assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["environments.0.agent_type=arithmetik"], "arithmetik"),
+        (["model.spec=/nonexistent/model"], "/nonexistent/model"),
+        (["training.group_size=1"], "training.group_size"),
+        (["training.micro_batch_tokens=8"], "training.micro_batch_tokens"),
+        (["environments.0.agent_type=dataset", "environments.0.agent_args={data_files: DATA, prompt_column: question}"],
+         "question"),
+    ],
+)
+def test_bad_input_fails_before_any_work(tmp_path, tiny_model_path, overrides, message):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n' * 4)
+    sets = [a for o in overrides for a in ("--set", o.replace("DATA", str(data)))]
+    result = llmrl("train", "--set", f"run_dir={tmp_path / 'run'}", *sets, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_trained_run_folder(tmp_path, tiny_model_path):
+    train(tmp_path / "run", "training.steps=1", "evaluation.at_start=false", "evaluation.at_end=false")
+    result = llmrl("eval", "--model", str(tmp_path / "run"), "--set", f"run_dir={tmp_path / 'eval'}",
+                   *[a for o in QUICK[:3] for a in ("--set", o)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "pass@1" in result.stdout
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert report["model"] == str(tmp_path / "run" / "checkpoints" / "step_000001" / "model")

@@ -1,0 +1,268 @@
+"""Trainer pieces on their own: batch preparation, the policy update, LR schedules, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from llmrl.agents.base import placeholder_rollout
+from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.trainer import checkpoint as ckpt
+from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, lr_factor
+from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
+from llmrl.types import RolloutGroup, TokenRollout
+
+VOCAB = 48
+
+
+def rollout(prompt: list[int], completion: list[int], reward: float, *, env="env", truncated=False) -> TokenRollout:
+    return TokenRollout(
+        trajectory=[prompt, completion],
+        generation_mask=[[False] * len(prompt), [True] * len(completion)],
+        logprobs=[[0.0] * len(prompt), [-1.0] * len(completion)],
+        reward=reward,
+        env_id=env,
+        problem_id=f"p{prompt[0]}",
+        truncated=truncated,
+    )
+
+
+def random_groups(num_groups: int, group_size: int, seed: int = 0, env="env") -> list[RolloutGroup]:
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
+        rollouts = [
+            rollout(prompt, [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))], float(rng.random() < 0.5), env=env)
+            for _ in range(group_size)
+        ]
+        groups.append(RolloutGroup(group_id=f"{env}/{g}", rollouts=rollouts))
+    return groups
+
+
+def tiny_policy(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).float()
+
+
+def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None):
+    algorithm = algorithm or AlgorithmConfig()
+    training = training or TrainingConfig(lr=0.5, micro_batch_tokens=4096)
+    policy = tiny_policy(seed)
+    # Plain SGD: Adam's first step is about lr * sign(gradient), which would magnify rounding noise.
+    optimizer = torch.optim.SGD(policy.parameters(), lr=training.lr)
+    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, temperature=1.0,
+                          max_tokens=8, pad_token_id=0, reference=tiny_policy(seed + 1) if algorithm.kl_beta else None)
+    if skip is not None:
+        update.skip_zero_advantage = skip
+    batch, _ = prepare_batch(groups, group_size=len(groups[0].rollouts), algorithm=algorithm, max_tokens=8)
+    metrics = update(batch, torch.Generator().manual_seed(0))
+    return policy, metrics
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-6) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=name)
+
+
+# -- batch preparation ---------------------------------------------------------------------------
+
+
+def test_prepare_batch_excludes_placeholders_and_gives_them_no_share_of_the_statistics():
+    prompt = [1, 2, 3]
+    group = RolloutGroup(group_id="g", rollouts=[
+        rollout(prompt, [4], 1.0), rollout(prompt, [5], 0.0), placeholder_rollout("env", "p1", "boom"),
+    ])  # fmt: skip
+    batch, advantages = prepare_batch([group], group_size=3, algorithm=AlgorithmConfig(), max_tokens=8)
+    assert len(batch) == 2 and advantages[2] == 0
+    assert advantages[0] == pytest.approx(1.0, abs=1e-5) and advantages[1] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_mask_truncated_drops_truncated_rollouts_from_the_loss_but_not_from_the_baseline():
+    prompt = [1, 2]
+    group = RolloutGroup(group_id="g", rollouts=[
+        rollout(prompt, [3] * 8, 0.0, truncated=True), rollout(prompt, [4], 1.0),
+    ])  # fmt: skip
+    kept, advantages = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(mask_truncated=True), max_tokens=8)
+    assert [r.num_generated for r in kept.rollouts] == [1] and advantages[0] < 0 < advantages[1]
+    everything, _ = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
+    assert len(everything) == 2
+
+
+def test_overlong_penalty_turns_equal_rewards_into_a_length_signal():
+    prompt = [1, 2]
+    group = RolloutGroup(group_id="g", rollouts=[rollout(prompt, [3] * 8, 1.0), rollout(prompt, [4] * 2, 1.0)])
+    _, plain = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
+    shaped_config = AlgorithmConfig(overlong_buffer=4, overlong_penalty=0.5)
+    _, shaped = prepare_batch([group], group_size=2, algorithm=shaped_config, max_tokens=8)
+    assert plain.tolist() == [0.0, 0.0]
+    assert shaped[0] < 0 < shaped[1]
+
+
+def test_prepare_batch_rejects_groups_of_the_wrong_size():
+    with pytest.raises(ValueError, match="expected 4"):
+        prepare_batch(random_groups(2, 3), group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
+
+
+def test_normalizer_counts_tokens_or_sequences():
+    batch = RolloutBatch([rollout([1], [2, 3, 4], 1.0), rollout([1], [5], 0.0)], torch.tensor([1.0, -1.0]))
+    assert batch.normalizer([0, 1], "token_mean", 8) == 4
+    assert batch.normalizer([0, 1], "seq_mean_token_mean", 8) == 2
+    assert batch.normalizer([0, 1], "seq_mean_token_sum_norm", 8) == 16
+    assert batch.normalizer([], "token_mean", 8) == 0
+
+
+def test_rollout_metrics_per_environment():
+    groups = random_groups(2, 4, env="a") + random_groups(1, 4, seed=1, env="b")
+    _, advantages = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
+    metrics = rollout_metrics(groups, advantages, correct_threshold=1.0)
+    rewards_a = [r.reward for g in groups[:2] for r in g.rollouts]
+    assert metrics["reward/a/mean"] == pytest.approx(sum(rewards_a) / 8)
+    assert metrics["reward/mean"] == pytest.approx(sum(r.reward for g in groups for r in g.rollouts) / 12)
+    assert metrics["reward/b/pass_rate"] == metrics["reward/b/mean"]  # 0/1 rewards
+    lengths = [r.num_generated for g in groups for r in g.rollouts]
+    assert metrics["rollout/response_length"] == pytest.approx(sum(lengths) / 12)
+    assert metrics["rollout/response_length_max"] == max(lengths)
+    assert metrics["rollout/placeholder_frac"] == 0.0
+
+
+# -- the policy update ---------------------------------------------------------------------------
+
+
+def test_micro_batch_size_does_not_change_the_update():
+    groups = random_groups(4, 4)
+    big, big_metrics = run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=4096))
+    small, small_metrics = run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=12))
+    assert_same_weights(big, small)
+    assert small_metrics["loss"] == pytest.approx(big_metrics["loss"], abs=1e-6)
+    assert big_metrics["num_tokens"] == small_metrics["num_tokens"]
+
+
+def test_skipping_zero_advantage_rollouts_does_not_change_the_update():
+    groups = random_groups(4, 4)
+    groups[0] = RolloutGroup(group_id="equal", rollouts=[
+        rollout([7, 8], [9, 10], 1.0), rollout([7, 8], [11], 1.0), rollout([7, 8], [12], 1.0), rollout([7, 8], [9], 1.0),
+    ])  # fmt: skip
+    skipped, skipped_metrics = run_update(groups, skip=True)
+    full, full_metrics = run_update(groups, skip=False)
+    assert_same_weights(skipped, full)
+    assert skipped_metrics["loss"] == pytest.approx(full_metrics["loss"], abs=1e-6)
+    assert skipped_metrics["num_sequences"] < full_metrics["num_sequences"]
+
+
+def test_a_step_without_signal_leaves_the_weights_alone():
+    groups = [RolloutGroup(group_id="equal", rollouts=[rollout([1, 2], [3], 1.0), rollout([1, 2], [4], 1.0)])]
+    policy, metrics = run_update(groups)
+    assert_same_weights(policy, tiny_policy(0), atol=0)
+    assert metrics["skipped_updates"] == 1 and metrics["optimizer_steps"] == 0
+
+
+def test_single_pass_ratio_is_one_and_extra_passes_move_it():
+    groups = random_groups(4, 4)
+    _, one = run_update(groups)
+    assert one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and one["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    _, several = run_update(groups, training=TrainingConfig(lr=0.5, iterations=2, mini_batches=2))
+    assert several["optimizer_steps"] == 4
+    assert several["approx_kl"] > 0  # later mini-batches see a policy that moved since pi_old
+
+
+def test_gradient_matches_the_plain_formula():
+    """One rollout, advantage a, one pass: the loss gradient is -a * grad(sum logprob) / tokens."""
+    groups = [RolloutGroup(group_id="g", rollouts=[rollout([1, 2], [3, 4], 1.0), rollout([1, 2], [5], 0.0)])]
+    training = TrainingConfig(lr=0.5, max_grad_norm=None)
+    trained, _ = run_update(groups, training=training)
+    reference = tiny_policy(0)
+    batch, _ = prepare_batch(groups, group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
+    loss = 0.0
+    for r, advantage in zip(batch.rollouts, batch.advantages, strict=True):
+        ids = torch.tensor([r.tokens])
+        logprobs = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(r.mask[1:])
+        loss = loss - advantage * logprobs[mask].sum()
+    (loss / 3).backward()  # token_mean over the 3 completion tokens
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert_same_weights(trained, reference, atol=1e-5)
+
+
+def test_kl_penalty_uses_the_reference_model():
+    groups = random_groups(2, 4)
+    _, metrics = run_update(groups, algorithm=AlgorithmConfig(kl_beta=0.1))
+    assert metrics["ref_kl"] > 0  # a differently initialised reference
+
+
+def test_rollout_longer_than_the_micro_batch_budget_is_a_clear_error():
+    groups = [RolloutGroup(group_id="g", rollouts=[rollout([1] * 10, [3] * 5, 1.0), rollout([1] * 10, [4], 0.0)])]
+    with pytest.raises(ValueError, match=r"training.micro_batch_tokens: a rollout of 15 tokens"):
+        run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=12))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [("constant", [0.5, 1.0, 1.0, 1.0, 1.0]), ("linear", [0.5, 1.0, 1.0, 2 / 3, 1 / 3]),
+     ("cosine", [0.5, 1.0, 1.0, 0.75, 0.25])],
+)  # fmt: skip
+def test_lr_schedules(schedule, expected):
+    training = TrainingConfig(steps=5, warmup_steps=2, lr_schedule=schedule)
+    assert [lr_factor(step, training) for step in range(5)] == pytest.approx(expected)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    def save_pretrained(self, folder):
+        (folder / "tokenizer.json").write_text("{}")
+
+
+def save(run_dir, step, keep_last=2, **state):
+    return ckpt.save_checkpoint(run_dir, step, model=tiny_policy(), tokenizer=FakeTokenizer(),
+                                trainer_state={"step": step, **state}, config_yaml="seed: 0\n", keep_last=keep_last)
+
+
+def test_checkpoints_keep_the_last_k_and_ignore_half_written_ones(tmp_path):
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3]
+    torn = tmp_path / "checkpoints" / "step_000004"
+    torn.mkdir()  # a folder without trainer state is not a checkpoint
+    (tmp_path / "checkpoints" / ".tmp-step_000005-1").mkdir()
+    step, folder = ckpt.latest_checkpoint(tmp_path)
+    assert step == 3 and ckpt.load_trainer_state(folder)["step"] == 3
+    assert (folder / "model" / "model.safetensors").is_file() and (folder / "config.yaml").is_file()
+    save(tmp_path, 5)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert ckpt.resolve_model_folder(tmp_path) == tmp_path / "checkpoints" / "step_000005" / "model"
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        ckpt.load_trainer_state(torn)
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    random.seed(3)
+    torch.manual_seed(3)
+    state = ckpt.rng_state()
+    expected = (random.random(), torch.rand(3))
+    folder = save(tmp_path, 1, rng=state)
+    random.seed(99)
+    torch.manual_seed(99)
+    ckpt.set_rng_state(ckpt.load_trainer_state(folder)["rng"])
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+def test_optimizer_state_survives_a_checkpoint(tmp_path):
+    policy = tiny_policy()
+    optimizer, scheduler = build_optimizer(policy, TrainingConfig(lr=1e-3))
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    folder = save(tmp_path, 1, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
+    restored, _ = build_optimizer(copy.deepcopy(policy), TrainingConfig(lr=1e-3))
+    restored.load_state_dict(ckpt.load_trainer_state(folder)["optimizer"])
+    state = restored.state_dict()["state"][0]
+    assert torch.equal(state["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert not math.isnan(float(state["step"]))
