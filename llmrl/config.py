@@ -143,7 +143,10 @@ class TrainingConfig(Section):
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass: the rollouts are split into this many mini-batches."""
     micro_batch_tokens: int = Field(4096, ge=1)
-    """Token budget of one packed forward/backward micro-batch."""
+    """Token budget of one forward/backward micro-batch (rows x row width, padding included); bounds activation memory."""
+    pack_row_tokens: int = Field(512, ge=1)
+    """Longest packed row (rollouts laid end to end); a rollout longer than this gets a row of its own.
+    Attention over a row costs its length squared with the sdpa/eager kernels, so short rows are faster."""
     generation_lag: int = Field(0, ge=0)
     """Steps generation may run ahead of training (0 = synchronous on-policy)."""
     deterministic: bool = True

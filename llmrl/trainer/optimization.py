@@ -134,9 +134,28 @@ class PolicyUpdate:
     def _micro_batches(
         self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int]
     ) -> Iterator[PackedBatch]:
-        # One packed row of at most `micro_batch_tokens` tokens per micro-batch.
-        for row in pack([len(sequences[i]) for i in indices], self.training.micro_batch_tokens):
-            yield build_batch(sequences, [[indices[j] for j in row]], masks, self.pad_token_id).to(self.device)
+        """Packed micro-batches of the sequences at `indices`: rows of at most `pack_row_tokens`
+        tokens (or the longest sequence), as many rows per micro-batch as fit `micro_batch_tokens`."""
+        lengths = [len(sequences[i]) for i in indices]
+        row_limit = min(self.training.pack_row_tokens, self.training.micro_batch_tokens)
+        rows = pack(lengths, max(row_limit, *lengths))
+        chosen: list[list[int]] = []
+        width = 0
+        for row in rows:  # first-fit-decreasing: the fullest rows come first
+            row_tokens = sum(lengths[j] for j in row)
+            if chosen and max(width, row_tokens) * (len(chosen) + 1) > self.training.micro_batch_tokens:
+                yield self._build(sequences, masks, indices, chosen)
+                chosen, width = [], 0
+            chosen.append(row)
+            width = max(width, row_tokens)
+        if chosen:
+            yield self._build(sequences, masks, indices, chosen)
+
+    def _build(
+        self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int], rows: list[list[int]]
+    ) -> PackedBatch:
+        rows = [[indices[j] for j in row] for row in rows]
+        return build_batch(sequences, rows, masks, self.pad_token_id).to(self.device)
 
     @torch.no_grad()
     def _sequence_logprobs(

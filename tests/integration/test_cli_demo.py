@@ -19,16 +19,23 @@ def _llmrl(*argv, cwd):
 
 
 def test_train_demo_writes_run_folder(tmp_path, tiny_model):
-    result = _llmrl("train", "--set", f"run_dir={tmp_path / 'run'}", *SMALL, cwd=tmp_path)
+    result = _llmrl("train", "--set", f"run_dir={tmp_path / 'run'}", "--set", "training.steps=2", *SMALL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["spec"] == "tiny://arithmetic"
     summary = json.loads((run / "summary.json").read_text())
-    metrics = summary["eval_start"]["arithmetic"]
-    assert metrics["problems"] == 8
-    assert set(metrics) >= {"pass@1", "pass@4", "greedy_accuracy", "reward_mean"}
-    assert 0.0 <= metrics["pass@1"] <= metrics["pass@4"] <= 1.0
-    assert "pass@1" in result.stdout  # the printed table
+    assert summary["steps"] == 2
+    for key in ("eval_start", "eval_end"):
+        metrics = summary[key]["arithmetic"]
+        assert metrics["problems"] == 8
+        assert set(metrics) >= {"pass@1", "pass@4", "greedy_accuracy", "reward_mean"}
+        assert 0.0 <= metrics["pass@1"] <= metrics["pass@4"] <= 1.0
+    assert "step 2/2" in result.stdout  # plain progress lines off a terminal
+    assert "arithmetic: sampled accuracy (pass@1)" in result.stdout and "points" in result.stdout
+
+    again = _llmrl("train", "--set", f"run_dir={run}", "--set", "training.steps=2", *SMALL, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stdout and "step 1/2" not in again.stdout  # a finished run does not retrain
 
 
 def test_eval_with_bad_agent_args_names_the_environment(tmp_path, tiny_model):

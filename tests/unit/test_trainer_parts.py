@@ -139,10 +139,23 @@ def test_rollout_metrics_per_environment():
 def test_micro_batch_size_does_not_change_the_update():
     groups = random_groups(4, 4)
     big, big_metrics = run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=4096))
-    small, small_metrics = run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=12))
-    assert_same_weights(big, small)
-    assert small_metrics["loss"] == pytest.approx(big_metrics["loss"], abs=1e-6)
-    assert big_metrics["num_tokens"] == small_metrics["num_tokens"]
+    for layout in ({"micro_batch_tokens": 12}, {"micro_batch_tokens": 40, "pack_row_tokens": 10}):
+        small, small_metrics = run_update(groups, training=TrainingConfig(lr=0.5, **layout))
+        assert_same_weights(big, small)
+        assert small_metrics["loss"] == pytest.approx(big_metrics["loss"], abs=1e-6)
+        assert big_metrics["num_tokens"] == small_metrics["num_tokens"]
+
+
+def test_micro_batches_respect_the_token_budget_and_the_row_length():
+    groups = random_groups(6, 4)
+    batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
+    training = TrainingConfig(micro_batch_tokens=40, pack_row_tokens=10)
+    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, temperature=1.0,
+                          max_tokens=8, pad_token_id=0)
+    packed = list(update._micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
+    longest = max(len(s) for s in batch.sequences)
+    assert all(p.input_ids.numel() <= 40 and p.input_ids.shape[1] <= max(10, longest) for p in packed)
+    assert sorted(i for p in packed for row in p.segments for i, _ in row) == list(range(len(batch)))
 
 
 def test_skipping_zero_advantage_rollouts_does_not_change_the_update():
