@@ -9,7 +9,7 @@
 
 User mistakes (bad config, missing file) print one clear message and exit with status 2;
 commands whose machinery is not part of this version say so and exit with status 3; Ctrl-C exits
-with 130 (a training run first saves a checkpoint of its last finished step).
+with 130 (a training run first finishes its step and saves a checkpoint).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = _load(args)
     trainer = Trainer(config, resume=args.resume)
-    if trainer.step:
+    if trainer.resumed:
         print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
     summary = trainer.run()
     console = Console(width=None if sys.stdout.isatty() else 120)

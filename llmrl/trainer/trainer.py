@@ -16,9 +16,13 @@ step (generation seeds per request, mini-batch order), and the rest of the state
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -105,7 +109,7 @@ class Trainer:
             self._restore(checkpoint[1])
         else:
             _clear_outputs(self.run_dir)
-        self._last_saved = self.step if checkpoint else -1
+        self.resumed = checkpoint is not None
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -118,22 +122,20 @@ class Trainer:
                 self._log(0, self._evaluate(0))
             display = stack.enter_context(ProgressDisplay(steps, start_step=min(self.step, steps),
                                                           mode=config.logging.progress, stream=self.progress_stream))
-            try:
-                while self.step < steps:
-                    metrics = self._train_step(self.step + 1)
-                    self.step += 1
-                    if self._due(config.evaluation.every) or (self.step == steps and config.evaluation.at_end):
-                        metrics |= self._evaluate(self.step)
-                        display.message(_evaluation_line(self.step, self.evaluations[self.step]))
-                    self._log(self.step, metrics)
-                    display.update(self.step, metrics)
-                    if self._due(config.checkpoint.every) or self.step == steps:
-                        self._save()
-            except KeyboardInterrupt:
-                if self.step > self._last_saved:
+            stop_requested = stack.enter_context(_stop_after_step_on_interrupt(display))
+            while self.step < steps:
+                metrics = self._train_step(self.step + 1)
+                self.step += 1
+                if self._due(config.evaluation.every) or (self.step == steps and config.evaluation.at_end):
+                    metrics |= self._evaluate(self.step)
+                    display.message(_evaluation_line(self.step, self.evaluations[self.step]))
+                self._log(self.step, metrics)
+                display.update(self.step, metrics)
+                if self._due(config.checkpoint.every) or self.step == steps or stop_requested():
                     self._save()
-                display.message(f"interrupted after step {self.step}; the run resumes from there")
-                raise
+                if stop_requested():
+                    display.message(f"stopped after step {self.step}; running the same command again resumes")
+                    raise KeyboardInterrupt
             if config.evaluation.at_end and self.step not in self.evaluations:  # e.g. steps: 0
                 self._log(self.step, self._evaluate(self.step))
                 self._save()
@@ -180,7 +182,6 @@ class Trainer:
         """Write one step's line, with the seconds spent in each traced phase since the last line."""
         phases = self.tracer.durations(reset=True)
         self.metrics_logger.log(step, metrics | {f"time/{name}_s": seconds for name, seconds in phases.items()})
-        self.tracer.save()
 
     def _log_rollouts(self, step: int, groups: list[Any], advantages: torch.Tensor) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
@@ -210,7 +211,7 @@ class Trainer:
                 self.run_dir, self.step, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
                 config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
             )  # fmt: skip
-        self._last_saved = self.step
+        self.tracer.save()  # rewrites the whole file: at checkpoints, not every step
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_trainer_state(folder)
@@ -228,7 +229,7 @@ class Trainer:
     def _open_outputs(self, stack: ExitStack) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.config))
-        resume_step = self.step if self._last_saved >= 0 else None
+        resume_step = self.step if self.resumed else None
         logging = self.config.logging
         self.metrics_logger = stack.enter_context(MetricsLogger(
             self.run_dir, tensorboard=logging.tensorboard, wandb=logging.wandb, wandb_project=logging.wandb_project,
@@ -254,6 +255,31 @@ class Trainer:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _stop_after_step_on_interrupt(display: ProgressDisplay) -> Iterator[Callable[[], bool]]:
+    """Turn the first Ctrl-C into "finish this step, save, stop"; a second one stops at once.
+
+    Yields the function that says whether a stop was asked for. Off the main thread (where Python
+    delivers signals) Ctrl-C keeps its usual effect.
+    """
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested.is_set
+        return
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        if requested.is_set():
+            raise KeyboardInterrupt
+        requested.set()
+        display.message("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again stops at once)")
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield requested.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | None:

@@ -22,7 +22,7 @@ from llmrl.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 QUICK = [
-    "evaluation.num_prompts=8", "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]",
+    "training.prompts_per_step=8", "evaluation.num_prompts=8", "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]",
     "logging.progress=plain", "logging.tensorboard=false",
 ]  # fmt: skip
 
@@ -49,7 +49,7 @@ def test_short_run_writes_the_whole_run_folder(tmp_path, tiny_model_path):
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     for row in rows[1:]:
         assert math.isfinite(row["train/loss"]) and math.isfinite(row["reward/mean"])
-        assert row["time/step_s"] > 0 and row["train/lr"] == pytest.approx(2e-5)
+        assert row["time/step_s"] > 0 and row["train/lr"] == pytest.approx(3e-4)
         for key in ("train/grad_norm", "train/entropy", "train/clip_frac_high", "train/mismatch_kl",
                     "rollout/response_length", "rollout/truncated_frac", "reward/arithmetic/pass_rate",
                     "perf/tokens_per_s", "time/generate_s", "time/reward_s", "time/train_s", "time/sync_s"):
@@ -117,7 +117,7 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
 def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
     base = ["training.steps=2", "evaluation.at_start=false", "evaluation.at_end=false"]
     train(tmp_path, *base)
-    with pytest.raises(ValueError, match=r"different config \(training.lr: 2e-05 -> 0.001\)"):
+    with pytest.raises(ValueError, match=r"different config \(training.lr: 0.0003 -> 0.001\)"):
         Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base, "training.lr=1e-3"]))
     extended = Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base[1:], "training.steps=3"]))
     assert extended.step == 2  # more steps of the same run is a resumption
@@ -126,9 +126,10 @@ def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
 
 
 def test_held_out_reward_rises(tmp_path, tiny_model_path):
+    # The demo's settings for half its steps.
     summary = train(tmp_path, "training.steps=100", "evaluation.every=0", "checkpoint.every=0",
                     "evaluation.num_prompts=64", "evaluation.samples_per_prompt=8", "evaluation.ks=[1, 8]",
-                    "training.lr=1e-4")
+                    "training.prompts_per_step=32")
     before, after = summary["eval_start"]["arithmetic"], summary["eval_end"]["arithmetic"]
     assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
 
@@ -157,8 +158,29 @@ def test_bad_input_fails_before_any_work(tmp_path, tiny_model_path, overrides, m
 def test_eval_of_a_trained_run_folder(tmp_path, tiny_model_path):
     train(tmp_path / "run", "training.steps=1", "evaluation.at_start=false", "evaluation.at_end=false")
     result = llmrl("eval", "--model", str(tmp_path / "run"), "--set", f"run_dir={tmp_path / 'eval'}",
-                   *[a for o in QUICK[:3] for a in ("--set", o)], cwd=tmp_path)
+                   *[a for o in QUICK[:4] for a in ("--set", o)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "pass@1" in result.stdout
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["model"] == str(tmp_path / "run" / "checkpoints" / "step_000001" / "model")
+    exported = llmrl("export", str(tmp_path / "run"), str(tmp_path / "hf"), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_ctrl_c_saves_the_last_finished_step(tmp_path, tiny_model_path):
+    run = tmp_path / "run"
+    argv = ["train", *[a for o in QUICK for a in ("--set", o)], "--set", f"run_dir={run}",
+            "--set", "training.steps=1000", "--set", "checkpoint.every=0", "--set", "evaluation.at_start=false"]
+    process = subprocess.Popen([sys.executable, "-m", "llmrl", *argv], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 2:
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    saved = [int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")]
+    assert len(saved) == 1 and saved[0] >= 2
+    assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]

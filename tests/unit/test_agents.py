@@ -299,3 +299,18 @@ def test_continuation_requests_validate_their_prefix():
     for bad in ([], [1, -2]):
         with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ids >= 0"):
             InferenceRequest(prompt="more", prompt_token_ids=bad)
+
+
+def test_seeded_calls_give_every_request_its_own_repeatable_seed():
+    def seeds(agent_seed: int, args: GenerationArgs) -> list[int | None]:
+        inference = ScriptedInference("x")
+        agent = EchoAgent(eval_size=4, seed=agent_seed)
+        run(agent.group_rollouts(inference, 3, 2, args))
+        run(agent.evaluate(inference, 2, samples_per_prompt=2, greedy=True, generation_args=args))
+        return [r.generation_args.seed for r in inference.requests]
+
+    seeded = seeds(0, GenerationArgs(seed=7))
+    assert len(set(seeded)) == len(seeded) == 3 + 2 * 2  # 3 groups, then 2 problems x (sampled, greedy)
+    assert seeds(0, GenerationArgs(seed=7)) == seeded
+    assert seeds(0, GenerationArgs(seed=8)) != seeded
+    assert seeds(0, GenerationArgs()) == [None] * len(seeded)  # unseeded: the backend decides

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from llmrl.logging import MetricsLogger, RolloutLog, Tracer, read_jsonl, read_metrics
+from llmrl.logging import MetricsLogger, RolloutLog, Tracer, read_jsonl, read_metrics, trace_span, use_tracer
 from llmrl.types import Rollout, TokenRollout
 
 
@@ -389,3 +389,19 @@ def test_event_cap_counts_dropped_events(tmp_path):
     assert tracer.durations()["s"] > 0  # durations are not capped
     with pytest.raises(ValueError, match="max_events"):
         Tracer(tmp_path / "t.json", max_events=0)
+
+
+def test_trace_span_records_into_the_active_tracer_only(tmp_path):
+    tracer = Tracer(tmp_path / "trace.json")
+    with trace_span("outside"):
+        pass
+    with use_tracer(tracer):
+
+        async def task():
+            with trace_span("reward", env="a"):
+                await asyncio.sleep(0)
+
+        asyncio.run(task())  # tasks inherit the active tracer
+    with trace_span("after"):
+        pass
+    assert set(tracer.durations()) == {"reward"}
