@@ -29,6 +29,7 @@ from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.losses import policy_loss
 from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, unpack
 from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.logging import trace_span
 from llmrl.trainer.rollouts import RolloutBatch
 
 
@@ -91,8 +92,9 @@ class PolicyUpdate:
         ]
         is_forwarded = set(forwarded)
         separate_old = self.training.iterations > 1 or self.training.mini_batches > 1
-        old = self._sequence_logprobs(self.policy, sequences, masks, forwarded) if separate_old else None
-        ref = self._sequence_logprobs(self.reference, sequences, masks, forwarded) if self.reference else None
+        with trace_span("logprobs", old=separate_old, reference=self.reference is not None):
+            old = self._sequence_logprobs(self.policy, sequences, masks, forwarded) if separate_old else None
+            ref = self._sequence_logprobs(self.reference, sequences, masks, forwarded) if self.reference else None
         inference = batch.inference_logprobs
         advantages = batch.advantages.to(self.device)
         totals = _MetricTotals()
