@@ -75,7 +75,7 @@ class Trainer:
         )  # fmt: skip
         self.agents.check_problems()  # a missing dataset column fails here, before models load
         checkpoint = _checkpoint_to_resume(config, resume)
-        _set_determinism(config)
+        torch.manual_seed(config.seed)
 
         device = _device(config.training.device)
         self.policy, self.tokenizer = load_model(
@@ -117,6 +117,8 @@ class Trainer:
         """Train to `training.steps`; returns the summary also written to ``summary.json``."""
         config, steps = self.config, self.config.training.steps
         with ExitStack() as stack:
+            if config.training.deterministic:
+                stack.enter_context(_deterministic_algorithms())
             self._open_outputs(stack)
             if self.step == 0 and config.evaluation.at_start and 0 not in self.evaluations:
                 self._log(0, self._evaluate(0))
@@ -317,11 +319,16 @@ def _clear_outputs(run_dir: Path) -> None:
             path.unlink()
 
 
-def _set_determinism(config: RunConfig) -> None:
-    torch.manual_seed(config.seed)
-    if config.training.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
-        torch.use_deterministic_algorithms(True, warn_only=True)
+@contextlib.contextmanager
+def _deterministic_algorithms() -> Iterator[None]:
+    """Deterministic torch kernels for the run; the process-wide setting is restored afterwards."""
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def _device(choice: str) -> str:

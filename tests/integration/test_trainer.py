@@ -66,6 +66,7 @@ def test_short_run_writes_the_whole_run_folder(tmp_path, tiny_model_path):
     logged = read_jsonl(run / "rollouts.jsonl")
     assert len(logged) == 3 * 8 and {"prompt", "completion", "reward", "advantage"} <= set(logged[0])
     assert (run / "config.yaml").is_file()
+    assert not torch.are_deterministic_algorithms_enabled()  # the run's setting does not leak
 
 
 def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):

@@ -1,0 +1,450 @@
+"""The environment server: a run config's environments over HTTP (`llmrl serve-env CONFIG`).
+
+A trainer on another machine draws rollout groups and evaluations from these environments with a
+`RemoteAgent`. Each request names the inference endpoint (an OpenAI-compatible base URL) that the
+environments call back to sample completions; the server scores them and returns token rollouts.
+
+* The agents are built once, from the local config file, when the app is created (plug-ins of that
+  file are imported then). A request chooses among them by `env_id` and never names agent types,
+  plug-ins, import paths or code; every body is validated (unknown fields are errors).
+* Requests carry no secrets: the token for the inference server comes from the server's side
+  (``inference.api_key_env`` of its config).
+* Calls that draw training problems from the same environment are served one at a time (an
+  `asyncio.Lock` per environment), so the problem order depends only on the order of requests, and
+  `GET /v1/state` / `POST /v1/state` save and restore it for an exact resume.
+
+Endpoints: ``POST /v1/group_rollouts``, ``POST /v1/evaluate``, ``GET /v1/info``, ``GET /v1/state``,
+``POST /v1/state``, ``GET /healthz``. See docs/environment_server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmrl.agents import Agent, WeightedMultiTask, build_agents
+from llmrl.config import ConfigError, RunConfig, load_config
+from llmrl.inference.interface import InferenceInterface
+from llmrl.registry import RegistryError, import_plugins
+from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
+from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup, WireModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8100
+MAX_BODY_BYTES = 1 << 20
+
+ENDPOINTS = [
+    "POST /v1/group_rollouts",
+    "POST /v1/evaluate",
+    "GET /v1/info",
+    "GET /v1/state",
+    "POST /v1/state",
+    "GET /healthz",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Wire models (shared with llmrl.agents.remote)
+
+
+def check_http_url(url: str) -> str:
+    """`url` if it is an http(s) URL with a host and no credentials in it, else ValueError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
+    if parts.username or parts.password:
+        raise ValueError("must not contain credentials (pass tokens by environment variable)")
+    return url
+
+
+class InferenceEndpoint(BaseModel):
+    """The OpenAI-compatible server the environments call back to sample completions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)  # frozen: hashable, a cache key
+
+    base_url: str = Field(max_length=2048, description="e.g. http://10.0.0.5:8000/v1 (http or https).")
+    model: str | None = Field(None, max_length=512, description="Model name sent in each request, if any.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        return check_http_url(url)
+
+
+class GroupRolloutsRequest(WireModel):
+    """`num_groups` training problems, `group_size` scored samples each."""
+
+    num_groups: int = Field(ge=1, le=1024)
+    group_size: int = Field(ge=1, le=256)
+    generation_args: GenerationArgs | None = None
+    inference: InferenceEndpoint
+    env_id: str | None = Field(
+        None, max_length=256, description="One environment; null mixes the training environments by weight."
+    )
+
+
+class GroupRolloutsResponse(WireModel):
+    groups: list[RolloutGroup]
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The environments' failure counters since the last call, keyed env_id/name.",
+    )
+
+
+class EvaluateRequest(WireModel):
+    """Held-out evaluation with pass@k, as `WeightedMultiTask.evaluate` does it."""
+
+    num_prompts: int = Field(ge=1, le=10_000)
+    samples_per_prompt: int = Field(1, ge=1, le=256)
+    ks: list[int] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
+    greedy: bool = False
+    correct_threshold: float = 1.0
+    generation_args: GenerationArgs | None = None
+    inference: InferenceEndpoint
+    env_id: str | None = Field(None, max_length=256, description="One environment; null evaluates all.")
+
+    @model_validator(mode="after")
+    def _ks_fit_the_samples(self) -> EvaluateRequest:
+        bad = [k for k in self.ks if not 1 <= k <= self.samples_per_prompt]
+        if bad:
+            raise ValueError(f"ks must be in 1..samples_per_prompt ({self.samples_per_prompt}), got {bad}")
+        return self
+
+
+class EvaluateResponse(WireModel):
+    results: dict[str, EvaluationResponse]
+
+
+class EnvironmentInfo(WireModel):
+    env_id: str
+    agent_type: str
+    weight: float
+    evaluation_only: bool
+    num_train_problems: int | None = None
+    num_eval_problems: int | None = None
+
+
+class ServerInfo(WireModel):
+    environments: list[EnvironmentInfo]
+    endpoints: list[str]
+
+
+class AgentStates(WireModel):
+    """Problem-order state of environments: env id -> that agent's `state_dict()`."""
+
+    state: dict[str, dict[str, Any]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The environments behind the routes
+
+
+class RequestError(Exception):
+    """A request the server understood but cannot serve; becomes `error_response(status, message)`."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+InferenceFactory = Callable[[InferenceEndpoint], InferenceInterface]
+
+
+class EnvironmentService:
+    """The config's agents, built once, with one lock per environment's training-problem order."""
+
+    def __init__(self, config: RunConfig, inference_factory: InferenceFactory):
+        import_plugins(config.plugins)  # the local file's plug-ins; requests can never name any
+        algorithm = config.algorithm
+        self.mix = build_agents(
+            config.environments,
+            config.seed,
+            dynamic_sampling=algorithm.dynamic_sampling,
+            max_resample_rounds=algorithm.max_resample_rounds,
+        )
+        self.mix.check_problems()
+        self.inference_factory = inference_factory
+        self.configs = {env.name: env for env in config.environments}
+        self.agents: dict[str, Agent] = {agent.env_id: agent for agent in self.mix.agents}
+        # One environment served alone keeps the mix's failure isolation and dynamic sampling.
+        self.single = {
+            env_id: WeightedMultiTask(
+                [agent],
+                [1.0],
+                dynamic_sampling=algorithm.dynamic_sampling,
+                max_resample_rounds=algorithm.max_resample_rounds,
+            )
+            for env_id, agent in self.agents.items()
+        }
+        self.training_ids = [
+            a.env_id for a, w in zip(self.mix.agents, self.mix.weights, strict=True) if w > 0
+        ]
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks_loop: asyncio.AbstractEventLoop | None = None
+
+    def _known(self, env_id: str) -> str:
+        if env_id not in self.agents:
+            raise RequestError(404, f"unknown env_id {env_id!r}; this server has {sorted(self.agents)}")
+        return env_id
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, env_ids: Iterable[str]) -> AsyncIterator[None]:
+        """Hold the locks of `env_ids`, taken in sorted order so that overlapping sets never deadlock."""
+        loop = asyncio.get_running_loop()
+        if self._locks_loop is not loop:  # a lock belongs to one loop (tests run several in turn)
+            self._locks, self._locks_loop = {env_id: asyncio.Lock() for env_id in self.agents}, loop
+        async with contextlib.AsyncExitStack() as stack:
+            for env_id in sorted(set(env_ids)):
+                await stack.enter_async_context(self._locks[env_id])
+            yield
+
+    async def group_rollouts(self, request: GroupRolloutsRequest) -> GroupRolloutsResponse:
+        if request.env_id is None:
+            tasks, env_ids = self.mix, self.training_ids
+            if request.num_groups < len(env_ids):
+                raise RequestError(
+                    422,
+                    f"num_groups={request.num_groups} is fewer than the {len(env_ids)} training environments "
+                    f"{env_ids}; ask for more groups or name one env_id",
+                )
+        else:
+            env_id = self._known(request.env_id)
+            if self.configs[env_id].evaluation_only:
+                raise RequestError(409, f"environment {env_id!r} is evaluation-only on this server")
+            tasks, env_ids = self.single[env_id], [env_id]
+        inference = self.inference_factory(request.inference)
+        async with self._holding(env_ids):
+            groups = await tasks.group_rollouts(
+                inference, request.num_groups, request.group_size, request.generation_args
+            )
+            metrics = tasks.pop_metrics()
+        return GroupRolloutsResponse(groups=groups, metrics=metrics)
+
+    async def evaluate(self, request: EvaluateRequest) -> EvaluateResponse:
+        tasks = self.mix if request.env_id is None else self.single[self._known(request.env_id)]
+        results = await tasks.evaluate(
+            self.inference_factory(request.inference),
+            request.num_prompts,
+            samples_per_prompt=request.samples_per_prompt,
+            ks=request.ks,
+            greedy=request.greedy,
+            correct_threshold=request.correct_threshold,
+            generation_args=request.generation_args,
+        )
+        return EvaluateResponse(results=results)
+
+    def info(self) -> ServerInfo:
+        return ServerInfo(
+            environments=[
+                EnvironmentInfo(
+                    env_id=env_id,
+                    agent_type=self.configs[env_id].agent_type,
+                    weight=self.configs[env_id].weight,
+                    evaluation_only=self.configs[env_id].evaluation_only,
+                    num_train_problems=_count(agent, "train_problems"),
+                    num_eval_problems=_count(agent, "eval_problems"),
+                )
+                for env_id, agent in self.agents.items()
+            ],
+            endpoints=ENDPOINTS,
+        )
+
+    async def state(self) -> AgentStates:
+        async with self._holding(self.agents):
+            return AgentStates(state={env_id: agent.state_dict() for env_id, agent in self.agents.items()})
+
+    async def load_state(self, states: AgentStates) -> AgentStates:
+        """Restore the given environments (others keep theirs); all of them or, on an error, none."""
+        for env_id in states.state:
+            self._known(env_id)
+        async with self._holding(states.state):
+            before = {env_id: self.agents[env_id].state_dict() for env_id in states.state}
+            loaded: list[str] = []
+            try:
+                for env_id, state in states.state.items():
+                    self.agents[env_id].load_state_dict(state)
+                    loaded.append(env_id)
+            except (ValueError, KeyError, TypeError) as exc:
+                for env_id in loaded:
+                    self.agents[env_id].load_state_dict(before[env_id])
+                failed = next(e for e in states.state if e not in loaded)
+                detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise RequestError(422, f"state.{failed}: does not fit this environment: {detail}") from None
+            return AgentStates(state={env_id: self.agents[env_id].state_dict() for env_id in loaded})
+
+
+def _count(agent: Agent, attribute: str) -> int | None:
+    """Size of an agent's problem list when it has one (remote or streaming agents may not)."""
+    problems = getattr(agent, attribute, None)
+    return len(problems) if isinstance(problems, Sequence) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+
+class OpenAIEndpoints:
+    """The default inference factory: one `OpenAIInterface` per endpoint, reused by later requests to it."""
+
+    def __init__(self, *, api_key: str | None = None, timeout_s: float = 120.0, max_concurrent: int = 64):
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_concurrent = max_concurrent
+        self.interfaces: dict[InferenceEndpoint, InferenceInterface] = {}
+
+    def __call__(self, endpoint: InferenceEndpoint) -> InferenceInterface:
+        if endpoint not in self.interfaces:
+            from llmrl.inference.openai import OpenAIInterface  # only servers that call an endpoint need it
+
+            self.interfaces[endpoint] = OpenAIInterface(
+                endpoint.base_url,
+                api_key=self.api_key,
+                model=endpoint.model,
+                timeout_s=self.timeout_s,
+                max_concurrent=self.max_concurrent,
+            )
+        return self.interfaces[endpoint]
+
+    async def aclose(self) -> None:
+        """Close the interfaces' connections (when they have any to close)."""
+        for interface in self.interfaces.values():
+            close = getattr(interface, "aclose", None)
+            if close is not None:
+                await close()
+        self.interfaces.clear()
+
+
+def create_env_app(
+    config: RunConfig,
+    *,
+    api_key: str | None = None,
+    inference_api_key: str | None = None,
+    inference_factory: InferenceFactory | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The environment server for `config`'s environments (built and checked here, once).
+
+    Args:
+        api_key: bearer token every request must carry (None: no auth; bind to loopback then).
+        inference_api_key: token the default factory sends to the inference endpoints requests name.
+        inference_factory: makes the interface a request's `inference` endpoint stands for
+            (default: an `OpenAIInterface` per endpoint, with `config.inference` timeout and concurrency).
+    """
+    if inference_factory is None:
+        inference_factory = OpenAIEndpoints(
+            api_key=inference_api_key,
+            timeout_s=config.inference.request_timeout_s,
+            max_concurrent=config.inference.max_concurrent,
+        )
+    service = EnvironmentService(config, inference_factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        close = getattr(inference_factory, "aclose", None)
+        if close is not None:
+            await close()
+
+    app = FastAPI(title="llmrl environment server", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.status, exc.message)
+
+    @app.post("/v1/group_rollouts", response_model=GroupRolloutsResponse)
+    async def group_rollouts(body: GroupRolloutsRequest) -> Response:
+        return _json(await service.group_rollouts(body))
+
+    @app.post("/v1/evaluate", response_model=EvaluateResponse)
+    async def evaluate(body: EvaluateRequest) -> Response:
+        return _json(await service.evaluate(body))
+
+    @app.get("/v1/info", response_model=ServerInfo)
+    async def info() -> Response:
+        return _json(service.info())
+
+    @app.get("/v1/state", response_model=AgentStates)
+    async def get_state() -> Response:
+        return _json(await service.state())
+
+    @app.post("/v1/state", response_model=AgentStates)
+    async def set_state(body: AgentStates) -> Response:
+        return _json(await service.load_state(body))
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return secure_app(app, api_key=api_key, max_body_bytes=max_body_bytes)
+
+
+def _json(model: BaseModel) -> Response:
+    # Serialised directly: FastAPI would validate a large batch of rollouts again on the way out.
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def serve_env(
+    config_path: str,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    overrides: list[str] | None = None,
+) -> None:
+    """Serve the environments of the config file at `config_path` until interrupted.
+
+    The token for the inference endpoints is read from the environment variable the config's
+    ``inference.api_key_env`` names.
+    """
+    config = load_config(config_path, overrides)
+    inference_api_key = None
+    if config.inference.api_key_env:
+        inference_api_key = os.environ.get(config.inference.api_key_env)
+        if not inference_api_key:
+            raise ConfigError(
+                f"inference.api_key_env: environment variable {config.inference.api_key_env} is not set"
+            )
+    app = create_env_app(config, api_key=api_key, inference_api_key=inference_api_key)
+    log.info("serving environments %s on http://%s:%d", [e.name for e in config.environments], host, port)
+    run_server(app, host, port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmrl.server.env_server CONFIG [--host H] [--port P] [--api-key K] [--set k=v ...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m llmrl.server.env_server", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("config", help="run config (YAML) whose environments to serve")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="interface to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--api-key", default=None, help="bearer token clients must send (default: $LLMRL_API_KEY)"
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set seed=3")  # fmt: skip
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve_env(args.config, host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
+                  overrides=args.overrides)  # fmt: skip
+    except (ConfigError, RegistryError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

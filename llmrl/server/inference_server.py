@@ -1,0 +1,426 @@
+"""An OpenAI-compatible HTTP server over the embedded engine, with token ids, logprobs and weight sync.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` take the usual OpenAI fields and answer
+in OpenAI's shapes, so the official ``openai`` client and other tools work against it. Training
+needs more than text, so every response also carries the llmrl extensions: the whole prompt's
+``prompt_token_ids`` and the ``policy_version`` at the top level, and per choice the completion's
+``token_ids`` and ``token_logprobs`` (``log_softmax(logits / T)`` before top-k/top-p, float32; see
+`llmrl.types`). Requests may add ``top_k``, ``stop_token_ids`` and ``prompt_token_ids`` (continue
+after these exact ids: multi-turn rollouts never re-tokenise earlier turns).
+
+Concurrent requests share the engine's continuous batch: the engine steps it as a task on the
+server's event loop. ``POST /v1/weights`` loads new weights, versioned, between two decode steps
+(from a file inside the server's ``weights_dir``, or from safetensors bytes in the body); the
+answer comes once they serve. docs/serving.md describes the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import threading
+import time
+import uuid
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmrl.inference.engine import LocalEngine
+from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
+from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest, InferenceResponse
+
+MIB = 1024**2
+GIB = 1024**3
+DEFAULT_MAX_TOKENS = 16
+"""Completion length when a request sets no ``max_tokens`` (OpenAI's default for completions)."""
+WEIGHTS_PATH = "/v1/weights"
+
+# OpenAI and vLLM fields this server does not implement. A request may send them only with a value
+# that changes nothing (absent, null, false, 0, empty, or the value listed here); anything else is
+# refused rather than silently ignored, since it would change what is sampled.
+_NEUTRAL_VALUES: dict[str, Any] = {"best_of": 1, "repetition_penalty": 1, "response_format": {"type": "text"}}
+_UNSUPPORTED = ("stream", "echo", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "min_p", "min_tokens", "tools", "functions", "response_format")
+
+
+class RequestRefused(Exception):
+    """A request the server answers with `status` and `message` (4xx)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by both generation routes. Unknown fields are kept, then checked (see `_UNSUPPORTED`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="Echoed in the response; this server serves one model.")
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="Extension; 0 or -1 (vLLM's spelling) turn top-k off.")
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | int | None = Field(None, description="True or an int (completions' top count) adds OpenAI logprobs.")
+    stop_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def completion_limit(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class CompletionBody(_GenerationFields):
+    prompt: str
+
+
+class _MessagePart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    """A chat message as OpenAI clients send it (text content, or a list of text parts; `name` ignored)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[_MessagePart]
+
+    def to_chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role=self.role, content=content)
+
+
+class ChatBody(_GenerationFields):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+
+    def completion_limit(self) -> int:
+        return self.max_completion_tokens or super().completion_limit()
+
+
+class WeightsByPath(BaseModel):
+    """JSON body of ``POST /v1/weights``: load `path` (inside the server's weights folder) as `version`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    path: str = Field(min_length=1)
+
+
+class _InferenceServer:
+    """The routes' state and logic; `create_inference_app` wires them to two FastAPI apps."""
+
+    def __init__(self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int,
+                 max_body_bytes: int):
+        self.engine = engine
+        self.model_name = model_name
+        self.weights_dir = weights_dir
+        self.max_n = max_n
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self._weights_lock = threading.Lock()  # one update at a time: version check and load are one step
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(self, body: _GenerationFields, prompt: str | list[ChatMessage], chat: bool) -> JSONResponse:
+        try:
+            request = self._inference_request(body, prompt)
+            responses = await self.engine.agenerate(request)
+        except ValidationError as exc:
+            raise RequestRefused(400, _validation_message(exc)) from None
+        except ValueError as exc:  # the engine's verdict on this request (prompt too long, ...)
+            raise RequestRefused(400, str(exc)) from None
+        return JSONResponse(self._openai_response(body, responses, chat))
+
+    def _inference_request(self, body: _GenerationFields, prompt: str | list[ChatMessage]) -> InferenceRequest:
+        _refuse_unsupported(body)
+        if body.n > self.max_n:
+            raise RequestRefused(400, f"n: at most {self.max_n} completions per request, got {body.n}")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        args = GenerationArgs(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                              max_tokens=body.completion_limit(), stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+                              seed=body.seed)
+        return InferenceRequest(prompt=prompt, generation_args=args, n=body.n, prompt_token_ids=body.prompt_token_ids)
+
+    def _openai_response(self, body: _GenerationFields, responses: list[InferenceResponse], chat: bool) -> dict:
+        want_logprobs = body.logprobs is not None and body.logprobs is not False
+        prompt_tokens = len(responses[0].prompt_token_ids)
+        completion_tokens = sum(len(r.token_ids) for r in responses)
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.model or self.model_name,
+            "choices": [self._choice(i, r, chat, want_logprobs) for i, r in enumerate(responses)],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "prompt_token_ids": responses[0].prompt_token_ids,
+            "policy_version": responses[0].policy_version,
+        }
+
+    def _choice(self, index: int, response: InferenceResponse, chat: bool, want_logprobs: bool) -> dict:
+        choice: dict[str, Any] = {"index": index, "finish_reason": response.finish_reason}
+        logprobs = self._openai_logprobs(response, chat) if want_logprobs else None
+        if chat:
+            choice["message"] = {"role": "assistant", "content": response.text}
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = logprobs
+        choice["token_ids"] = response.token_ids
+        choice["token_logprobs"] = response.logprobs
+        return choice
+
+    def _openai_logprobs(self, response: InferenceResponse, chat: bool) -> dict:
+        """The sampled tokens' logprobs in OpenAI's shape (no alternatives: `top_logprobs` stays empty)."""
+        pieces = self.engine.tokenizer.batch_decode([[t] for t in response.token_ids])
+        values = response.logprobs or []
+        if chat:
+            content = [{"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
+                       for piece, value in zip(pieces, values, strict=True)]
+            return {"content": content, "refusal": None}
+        offsets = list(accumulate((len(piece) for piece in pieces[:-1]), initial=0))[: len(pieces)]
+        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def update_weights(self, request: Request) -> JSONResponse:
+        if request.headers.get("content-type", "").split(";")[0].strip() == "application/octet-stream":
+            version = _query_version(request)
+            early = self._version_answer(version)
+            if early is not None:
+                return early
+            upload = await _receive_to_file(request)
+            try:
+                return await asyncio.to_thread(self._apply_weights, upload, version)
+            finally:
+                upload.unlink(missing_ok=True)
+        body = await self._read_json(request)
+        try:
+            update = WeightsByPath.model_validate_json(body)
+        except ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        path = self._weights_path(update.path)
+        return await asyncio.to_thread(self._apply_weights, path, update.version)
+
+    def _version_answer(self, version: int) -> JSONResponse | None:
+        """The answer for a version that is not newer than the served one (no-op or 409); None for newer ones."""
+        current = self.engine.policy_version
+        if version == current:
+            return JSONResponse({"policy_version": current, "seconds": 0.0, "applied": False})
+        if version < current:
+            return error_response(409, f"version {version} is older than the served version {current}")
+        return None
+
+    def _apply_weights(self, source: Path, version: int) -> JSONResponse:
+        """Load `source` as `version` (worker thread: the event loop keeps stepping the batch meanwhile)."""
+        with self._weights_lock:
+            early = self._version_answer(version)
+            if early is not None:
+                return early
+            start = time.perf_counter()
+            try:
+                self.engine.update_weights(source, version)
+            except (ValueError, SafetensorError) as exc:  # bad file, unknown keys, wrong shapes: old weights stay
+                return error_response(400, f"weights: {exc}")
+            seconds = time.perf_counter() - start
+        return JSONResponse({"policy_version": version, "seconds": round(seconds, 6), "applied": True})
+
+    def _weights_path(self, requested: str) -> Path:
+        if self.weights_dir is None:
+            raise RequestRefused(400, "path: this server has no weights folder (--weights-dir); send the "
+                                      "safetensors bytes with Content-Type: application/octet-stream instead")
+        path = (self.weights_dir / requested).resolve()
+        if self.weights_dir not in path.parents:
+            raise RequestRefused(403, f"path: {requested!r} is not inside the server's weights folder")
+        if not path.exists():
+            raise RequestRefused(400, f"path: {requested!r} does not exist in the server's weights folder")
+        return path
+
+    async def _read_json(self, request: Request) -> bytes:
+        """The body, at most `max_body_bytes` (this route's own limit is the much larger weights limit)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise RequestRefused(413, f"request body over the limit of {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise RequestRefused(413, f"request body over the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmrl",
+                "policy_version": self.engine.policy_version}
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> dict:
+        return {"status": "ok", "policy_version": self.engine.policy_version}
+
+
+def _refuse_unsupported(body: _GenerationFields) -> None:
+    extra = body.model_extra or {}
+    for name in _UNSUPPORTED:
+        value = extra.get(name)
+        if value and value != _NEUTRAL_VALUES.get(name):
+            raise RequestRefused(400, f"{name} is not supported by this server (got {value!r})")
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+
+
+def _query_version(request: Request) -> int:
+    raw = request.query_params.get("version", "")
+    if not raw.isdigit():
+        raise RequestRefused(422, "query.version: an integer >= 0 is required with streamed weights (?version=N)")
+    return int(raw)
+
+
+async def _receive_to_file(request: Request) -> Path:
+    """Write the streamed body to a temporary .safetensors file (the app's body limit bounds its size)."""
+    handle, name = tempfile.mkstemp(prefix="llmrl-weights-", suffix=".safetensors")
+    path = Path(name)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            async for chunk in request.stream():
+                file.write(chunk)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+class _RouteWeights:
+    """ASGI middleware: sends ``/v1/weights`` to its own app, whose body limit is the weights limit."""
+
+    def __init__(self, app: ASGIApp, weights_app: ASGIApp):
+        self.app = app
+        self.weights_app = weights_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        target = self.weights_app if scope["type"] == "http" and scope["path"] == WEIGHTS_PATH else self.app
+        await target(scope, receive, send)
+
+
+def create_inference_app(
+    engine: LocalEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    weights_dir: str | Path | None = None,
+    max_body_bytes: int = 4 * MIB,
+    max_weights_bytes: int = 16 * GIB,
+    max_n: int = 64,
+) -> FastAPI:
+    """The OpenAI-compatible app serving `engine` (routes in the module docstring and docs/serving.md).
+
+    Args:
+        engine: the engine to serve; its continuous batch is shared by all requests.
+        model_name: the id reported by ``/v1/models`` and in responses that name no model.
+        api_key: bearer token every route requires (None: no auth).
+        weights_dir: the folder ``POST /v1/weights`` may load files from (None: streamed bytes only).
+        max_body_bytes: limit of a generation request's body.
+        max_weights_bytes: limit of a streamed safetensors body.
+        max_n: most completions per request.
+    """
+    folder = None
+    if weights_dir is not None:
+        folder = Path(weights_dir).resolve()
+        if not folder.is_dir():
+            raise ValueError(f"weights_dir: {weights_dir} is not a folder")
+    server = _InferenceServer(engine, model_name, folder, max_n, max_body_bytes)
+    app = secure_app(FastAPI(title="llmrl inference"), api_key=api_key, max_body_bytes=max_body_bytes)
+    weights_app = secure_app(FastAPI(), api_key=api_key, max_body_bytes=max_weights_bytes)
+    for target in (app, weights_app):
+        target.add_exception_handler(RequestRefused, _refused)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody) -> JSONResponse:
+        return await server.generate(body, body.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody) -> JSONResponse:
+        return await server.generate(body, [m.to_chat_message() for m in body.messages], chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.models()
+
+    @app.get("/healthz")
+    async def health() -> dict:
+        return server.health()
+
+    @weights_app.post(WEIGHTS_PATH)
+    async def update_weights(request: Request) -> JSONResponse:
+        return await server.update_weights(request)
+
+    app.add_middleware(_RouteWeights, weights_app=weights_app)
+    return app
+
+
+async def _refused(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestRefused)
+    return error_response(exc.status, exc.message)
+
+
+def serve_inference(
+    model_spec: str,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = 8000,
+    api_key: str | None = None,
+    weights_dir: str | Path | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_batch_tokens: int = 8192,
+    max_concurrent: int = 64,
+) -> None:
+    """Load `model_spec` (on the GPU when there is one) and serve it until interrupted.
+
+    The bearer token is `api_key`, else the ``LLMRL_API_KEY`` environment variable, else none.
+    """
+    import torch
+
+    from llmrl.models import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
+    engine = LocalEngine(model, tokenizer, max_batch_tokens=max_batch_tokens, max_concurrent=max_concurrent,
+                         seed=seed)
+    app = create_inference_app(engine, model_name=model_spec, api_key=resolve_api_key(api_key),
+                               weights_dir=weights_dir)
+    run_server(app, host, port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m llmrl.server.inference_server --model SPEC [--host H] [--port P] ...``"""
+    parser = argparse.ArgumentParser(description="Serve a model with an OpenAI-compatible API (llmrl).")
+    parser.add_argument("--model", required=True, help="tiny://arithmetic, a local folder, or a hub id")
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="bearer token (default: $LLMRL_API_KEY, else none)")
+    parser.add_argument("--weights-dir", default=None, help="folder POST /v1/weights may load files from")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    serve_inference(args.model, host=args.host, port=args.port, api_key=args.api_key,
+                    weights_dir=args.weights_dir, dtype=args.dtype, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()
