@@ -8,8 +8,7 @@
     llmrl config show [CONFIG] [--set key=value]    print the fully resolved config
 
 User mistakes (bad config, missing file) print one clear message and exit with status 2;
-commands whose machinery is not part of this version say so and exit with status 3; Ctrl-C exits
-with 130 (a training run first finishes its step and saves a checkpoint).
+Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint).
 """
 
 from __future__ import annotations
@@ -23,12 +22,7 @@ from pathlib import Path
 from llmrl.config import RunConfig, dump_config, load_config
 
 EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
-
-
-class NotAvailableError(RuntimeError):
-    """A command whose machinery this version of llmrl does not have yet."""
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -133,13 +127,40 @@ def _improvement(summary: dict) -> dict[str, str]:
     return lines
 
 
+def _server_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per inference call drowns the rest
+
+
 def cmd_serve_env(args: argparse.Namespace) -> int:
-    _load(args)
-    raise NotAvailableError("`llmrl serve-env` (the environment server) is not part of this version yet")
+    from llmrl.server.common import resolve_api_key
+    from llmrl.server.env_server import serve_env
+
+    _server_logging()
+    serve_env(args.config, host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
+              overrides=args.overrides)  # fmt: skip
+    return 0
 
 
 def cmd_serve_inference(args: argparse.Namespace) -> int:
-    raise NotAvailableError("`llmrl serve-inference` (the inference server) is not part of this version yet")
+    from llmrl.server.inference_server import serve_inference
+
+    _server_logging()
+    serve_inference(
+        args.model, host=args.host, port=args.port, api_key=args.api_key, weights_dir=args.weights_dir,
+        dtype=args.dtype, seed=args.seed, max_batch_tokens=args.max_batch_tokens, max_concurrent=args.max_concurrent,
+    )  # fmt: skip
+    return 0
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port})")
+    parser.add_argument(
+        "--api-key", default=None, help="bearer token every request must send (default: $LLMRL_API_KEY, else none)"
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -181,15 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_env = command("serve-env", cmd_serve_env, "Serve the config's environments over HTTP.")
     _add_config_arguments(serve_env, required=True)
-    serve_env.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    serve_env.add_argument("--port", type=int, default=8100, help="port to listen on")
+    _add_server_arguments(serve_env, default_port=8100)
 
     serve_inference = command(
         "serve-inference", cmd_serve_inference, "Serve a model over an OpenAI-compatible HTTP API."
     )
     serve_inference.add_argument("--model", required=True, help="model spec: tiny://arithmetic, a folder or hub id")
-    serve_inference.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    serve_inference.add_argument("--port", type=int, default=8000, help="port to listen on")
+    _add_server_arguments(serve_inference, default_port=8000)
+    serve_inference.add_argument("--weights-dir", default=None, help="the only folder POST /v1/weights may load files from")
+    serve_inference.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve_inference.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
+    serve_inference.add_argument("--max-batch-tokens", type=int, default=8192, help="KV-cache admission budget")
+    serve_inference.add_argument("--max-concurrent", type=int, default=64, help="most sequences decoded together")
 
     export = command("export", cmd_export, "Write a model (spec or folder) as a plain Hugging Face model folder.")
     export.add_argument(
@@ -213,9 +237,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError) as exc:  # user errors (ConfigError, RegistryError, ...)
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except NotAvailableError as exc:
-        print(f"llmrl {args.command}: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         print(f"llmrl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

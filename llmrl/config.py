@@ -57,6 +57,10 @@ class InferenceConfig(Section):
     """Most sequences decoded at once by the embedded engine or in flight to a server."""
     request_timeout_s: float = Field(120.0, gt=0)
     """Per-request timeout for remote inference."""
+    weights_dir: str | None = None
+    """Folder the trainer and an inference server (`--weights-dir`) both read: weights are synced as files there instead of streamed over HTTP."""
+    weight_sync_timeout_s: float = Field(300.0, gt=0)
+    """Longest a weight sync to an inference server may take before the run stops with an error."""
     generation: GenerationArgs = Field(default_factory=lambda: GenerationArgs(max_tokens=16))
     """Sampling parameters for training rollouts (temperature also sets the trainer's logprobs)."""
 

@@ -316,7 +316,7 @@ class RemoteAgent(Agent):
         try:
             return await call
         except RemoteError as exc:
-            raise RemoteError(f"{self.env_id}: could not {action} the remote environment: {exc}") from exc
+            raise type(exc)(f"{self.env_id}: could not {action} the remote environment: {exc}") from exc
 
     def _placeholder_groups(self, num_groups: int, group_size: int, reason: str) -> list[RolloutGroup]:
         log.warning("%s: %s (%d group(s) replaced by placeholders)", self.env_id, reason, num_groups)

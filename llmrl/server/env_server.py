@@ -19,7 +19,6 @@ Endpoints: ``POST /v1/group_rollouts``, ``POST /v1/evaluate``, ``GET /v1/info``,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -36,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from llmrl.agents import Agent, WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, RunConfig, load_config
 from llmrl.inference.interface import InferenceInterface
-from llmrl.registry import RegistryError, import_plugins
-from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
+from llmrl.registry import import_plugins
+from llmrl.server.common import DEFAULT_HOST, error_response, run_server, secure_app
 from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup, WireModel
 
 log = logging.getLogger(__name__)
@@ -211,6 +210,7 @@ class EnvironmentService:
             yield
 
     async def group_rollouts(self, request: GroupRolloutsRequest) -> GroupRolloutsResponse:
+        """Groups from one environment or the weighted mix, drawn while holding their problem orders."""
         if request.env_id is None:
             tasks, env_ids = self.mix, self.training_ids
             if request.num_groups < len(env_ids):
@@ -233,6 +233,7 @@ class EnvironmentService:
         return GroupRolloutsResponse(groups=groups, metrics=metrics)
 
     async def evaluate(self, request: EvaluateRequest) -> EvaluateResponse:
+        """Held-out evaluation; it never touches the training order, so it takes no lock."""
         tasks = self.mix if request.env_id is None else self.single[self._known(request.env_id)]
         results = await tasks.evaluate(
             self.inference_factory(request.inference),
@@ -246,6 +247,7 @@ class EnvironmentService:
         return EvaluateResponse(results=results)
 
     def info(self) -> ServerInfo:
+        """The environments (as configured, with problem counts) and the routes."""
         return ServerInfo(
             environments=[
                 EnvironmentInfo(
@@ -262,6 +264,7 @@ class EnvironmentService:
         )
 
     async def state(self) -> AgentStates:
+        """Every environment's problem order, between calls that draw from it."""
         async with self._holding(self.agents):
             return AgentStates(state={env_id: agent.state_dict() for env_id, agent in self.agents.items()})
 
@@ -277,8 +280,8 @@ class EnvironmentService:
                     self.agents[env_id].load_state_dict(state)
                     loaded.append(env_id)
             except (ValueError, KeyError, TypeError) as exc:
-                for env_id in loaded:
-                    self.agents[env_id].load_state_dict(before[env_id])
+                for env_id, state in before.items():  # the failing agent may have taken part of its state
+                    self.agents[env_id].load_state_dict(state)
                 failed = next(e for e in states.state if e not in loaded)
                 detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise RequestError(422, f"state.{failed}: does not fit this environment: {detail}") from None
@@ -423,27 +426,10 @@ def serve_env(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m llmrl.server.env_server CONFIG [--host H] [--port P] [--api-key K] [--set k=v ...]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m llmrl.server.env_server", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("config", help="run config (YAML) whose environments to serve")
-    parser.add_argument("--host", default=DEFAULT_HOST, help="interface to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument(
-        "--api-key", default=None, help="bearer token clients must send (default: $LLMRL_API_KEY)"
-    )
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set seed=3")  # fmt: skip
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        serve_env(args.config, host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
-                  overrides=args.overrides)  # fmt: skip
-    except (ConfigError, RegistryError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    """``python -m llmrl.server.env_server`` is ``llmrl serve-env`` (same arguments)."""
+    from llmrl.cli import main as cli_main
+
+    return cli_main(["serve-env", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ answer comes once they serve. docs/serving.md describes the protocol.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -48,8 +48,10 @@ WEIGHTS_PATH = "/v1/weights"
 # that changes nothing (absent, null, false, 0, empty, or the value listed here); anything else is
 # refused rather than silently ignored, since it would change what is sampled.
 _NEUTRAL_VALUES: dict[str, Any] = {"best_of": 1, "repetition_penalty": 1, "response_format": {"type": "text"}}
-_UNSUPPORTED = ("stream", "echo", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "min_p", "min_tokens", "tools", "functions", "response_format")
+_UNSUPPORTED = tuple(
+    "stream echo best_of suffix logit_bias presence_penalty frequency_penalty repetition_penalty "
+    "min_p min_tokens tools functions response_format".split()
+)
 
 
 class RequestRefused(Exception):
@@ -74,7 +76,9 @@ class _GenerationFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    logprobs: bool | int | None = Field(None, description="True or an int (completions' top count) adds OpenAI logprobs.")
+    logprobs: bool | int | None = Field(
+        None, description="True or an int (completions' top count) adds OpenAI logprobs."
+    )
     stop_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -122,8 +126,9 @@ class WeightsByPath(BaseModel):
 class _InferenceServer:
     """The routes' state and logic; `create_inference_app` wires them to two FastAPI apps."""
 
-    def __init__(self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int,
-                 max_body_bytes: int):
+    def __init__(
+        self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int, max_body_bytes: int
+    ):
         self.engine = engine
         self.model_name = model_name
         self.weights_dir = weights_dir
@@ -134,7 +139,9 @@ class _InferenceServer:
 
     # -- generation ------------------------------------------------------------------------------
 
-    async def generate(self, body: _GenerationFields, prompt: str | list[ChatMessage], chat: bool) -> JSONResponse:
+    async def generate(
+        self, body: _GenerationFields, prompt: str | list[ChatMessage], chat: bool
+    ) -> JSONResponse:
         try:
             request = self._inference_request(body, prompt)
             responses = await self.engine.agenerate(request)
@@ -144,17 +151,29 @@ class _InferenceServer:
             raise RequestRefused(400, str(exc)) from None
         return JSONResponse(self._openai_response(body, responses, chat))
 
-    def _inference_request(self, body: _GenerationFields, prompt: str | list[ChatMessage]) -> InferenceRequest:
+    def _inference_request(
+        self, body: _GenerationFields, prompt: str | list[ChatMessage]
+    ) -> InferenceRequest:
         _refuse_unsupported(body)
         if body.n > self.max_n:
             raise RequestRefused(400, f"n: at most {self.max_n} completions per request, got {body.n}")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        args = GenerationArgs(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                              max_tokens=body.completion_limit(), stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()),
-                              seed=body.seed)
-        return InferenceRequest(prompt=prompt, generation_args=args, n=body.n, prompt_token_ids=body.prompt_token_ids)
+        args = GenerationArgs(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            max_tokens=body.completion_limit(),
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            seed=body.seed,
+        )
+        return InferenceRequest(
+            prompt=prompt, generation_args=args, n=body.n, prompt_token_ids=body.prompt_token_ids
+        )
 
-    def _openai_response(self, body: _GenerationFields, responses: list[InferenceResponse], chat: bool) -> dict:
+    def _openai_response(
+        self, body: _GenerationFields, responses: list[InferenceResponse], chat: bool
+    ) -> dict:
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         prompt_tokens = len(responses[0].prompt_token_ids)
         completion_tokens = sum(len(r.token_ids) for r in responses)
@@ -164,31 +183,37 @@ class _InferenceServer:
             "created": int(time.time()),
             "model": body.model or self.model_name,
             "choices": [self._choice(i, r, chat, want_logprobs) for i, r in enumerate(responses)],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
             "prompt_token_ids": responses[0].prompt_token_ids,
             "policy_version": responses[0].policy_version,
         }
 
     def _choice(self, index: int, response: InferenceResponse, chat: bool, want_logprobs: bool) -> dict:
-        choice: dict[str, Any] = {"index": index, "finish_reason": response.finish_reason}
-        logprobs = self._openai_logprobs(response, chat) if want_logprobs else None
-        if chat:
-            choice["message"] = {"role": "assistant", "content": response.text}
-        else:
-            choice["text"] = response.text
-        choice["logprobs"] = logprobs
-        choice["token_ids"] = response.token_ids
-        choice["token_logprobs"] = response.logprobs
-        return choice
+        output = (
+            {"message": {"role": "assistant", "content": response.text}} if chat else {"text": response.text}
+        )
+        return {
+            "index": index,
+            **output,
+            "finish_reason": response.finish_reason,
+            "logprobs": self._openai_logprobs(response, chat) if want_logprobs else None,
+            "token_ids": response.token_ids,
+            "token_logprobs": response.logprobs,
+        }
 
     def _openai_logprobs(self, response: InferenceResponse, chat: bool) -> dict:
         """The sampled tokens' logprobs in OpenAI's shape (no alternatives: `top_logprobs` stays empty)."""
         pieces = self.engine.tokenizer.batch_decode([[t] for t in response.token_ids])
         values = response.logprobs or []
         if chat:
-            content = [{"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
-                       for piece, value in zip(pieces, values, strict=True)]
+            content = [
+                {"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
+                for piece, value in zip(pieces, values, strict=True)
+            ]
             return {"content": content, "refusal": None}
         offsets = list(accumulate((len(piece) for piece in pieces[:-1]), initial=0))[: len(pieces)]
         return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
@@ -196,7 +221,8 @@ class _InferenceServer:
     # -- weights ---------------------------------------------------------------------------------
 
     async def update_weights(self, request: Request) -> JSONResponse:
-        if request.headers.get("content-type", "").split(";")[0].strip() == "application/octet-stream":
+        content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if content_type == "application/octet-stream":
             version = _query_version(request)
             early = self._version_answer(version)
             if early is not None:
@@ -215,7 +241,7 @@ class _InferenceServer:
         return await asyncio.to_thread(self._apply_weights, path, update.version)
 
     def _version_answer(self, version: int) -> JSONResponse | None:
-        """The answer for a version that is not newer than the served one (no-op or 409); None for newer ones."""
+        """The answer to a version not newer than the served one (no-op or 409); None for newer ones."""
         current = self.engine.policy_version
         if version == current:
             return JSONResponse({"policy_version": current, "seconds": 0.0, "applied": False})
@@ -232,15 +258,20 @@ class _InferenceServer:
             start = time.perf_counter()
             try:
                 self.engine.update_weights(source, version)
-            except (ValueError, SafetensorError) as exc:  # bad file, unknown keys, wrong shapes: old weights stay
-                return error_response(400, f"weights: {exc}")
+            except (ValueError, SafetensorError) as exc:  # unreadable file, unknown keys, wrong shapes
+                return error_response(
+                    400, f"weights: {exc}"
+                )  # checked before loading: the old weights serve on
             seconds = time.perf_counter() - start
         return JSONResponse({"policy_version": version, "seconds": round(seconds, 6), "applied": True})
 
     def _weights_path(self, requested: str) -> Path:
         if self.weights_dir is None:
-            raise RequestRefused(400, "path: this server has no weights folder (--weights-dir); send the "
-                                      "safetensors bytes with Content-Type: application/octet-stream instead")
+            raise RequestRefused(
+                400,
+                "path: this server has no weights folder (--weights-dir); send the "
+                "safetensors bytes with Content-Type: application/octet-stream instead",
+            )
         path = (self.weights_dir / requested).resolve()
         if self.weights_dir not in path.parents:
             raise RequestRefused(403, f"path: {requested!r} is not inside the server's weights folder")
@@ -264,8 +295,13 @@ class _InferenceServer:
     # -- status ----------------------------------------------------------------------------------
 
     def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmrl",
-                "policy_version": self.engine.policy_version}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmrl",
+            "policy_version": self.engine.policy_version,
+        }
         return {"object": "list", "data": [card]}
 
     def health(self) -> dict:
@@ -287,7 +323,9 @@ def _validation_message(exc: ValidationError) -> str:
 def _query_version(request: Request) -> int:
     raw = request.query_params.get("version", "")
     if not raw.isdigit():
-        raise RequestRefused(422, "query.version: an integer >= 0 is required with streamed weights (?version=N)")
+        raise RequestRefused(
+            422, "query.version: an integer >= 0 is required with streamed weights (?version=N)"
+        )
     return int(raw)
 
 
@@ -400,27 +438,21 @@ def serve_inference(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
-    engine = LocalEngine(model, tokenizer, max_batch_tokens=max_batch_tokens, max_concurrent=max_concurrent,
-                         seed=seed)
-    app = create_inference_app(engine, model_name=model_spec, api_key=resolve_api_key(api_key),
-                               weights_dir=weights_dir)
+    engine = LocalEngine(
+        model, tokenizer, max_batch_tokens=max_batch_tokens, max_concurrent=max_concurrent, seed=seed
+    )
+    app = create_inference_app(
+        engine, model_name=model_spec, api_key=resolve_api_key(api_key), weights_dir=weights_dir
+    )
     run_server(app, host, port)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m llmrl.server.inference_server --model SPEC [--host H] [--port P] ...``"""
-    parser = argparse.ArgumentParser(description="Serve a model with an OpenAI-compatible API (llmrl).")
-    parser.add_argument("--model", required=True, help="tiny://arithmetic, a local folder, or a hub id")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="bearer token (default: $LLMRL_API_KEY, else none)")
-    parser.add_argument("--weights-dir", default=None, help="folder POST /v1/weights may load files from")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    serve_inference(args.model, host=args.host, port=args.port, api_key=args.api_key,
-                    weights_dir=args.weights_dir, dtype=args.dtype, seed=args.seed)
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmrl.server.inference_server`` is ``llmrl serve-inference`` (same arguments)."""
+    from llmrl.cli import main as cli_main
+
+    return cli_main(["serve-inference", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -47,7 +47,8 @@ from llmrl.trainer.rollouts import prepare_batch, rollout_metrics
 
 # Fields that may change between a run and its resumption without changing what it trains.
 _RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
-                      "inference.api_key_env", "inference.request_timeout_s")
+                      "inference.api_key_env", "inference.request_timeout_s", "inference.weights_dir",
+                      "inference.weight_sync_timeout_s")
 # Written fresh by a run that starts from step 0.
 _RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard")
 

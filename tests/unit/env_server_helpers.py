@@ -19,7 +19,12 @@ SERVER_URL = "http://env.test"
 ENVIRONMENTS = [
     {"agent_type": "arithmetic", "agent_args": {"digits": 1, "eval_size": 6}},
     {"agent_type": "arithmetic", "env_id": "add2", "agent_args": {"digits": 2, "eval_size": 6}, "weight": 3},
-    {"agent_type": "arithmetic", "env_id": "held", "agent_args": {"digits": 1, "eval_size": 4}, "evaluation_only": True},
+    {
+        "agent_type": "arithmetic",
+        "env_id": "held",
+        "agent_args": {"digits": 1, "eval_size": 4},
+        "evaluation_only": True,
+    },
 ]
 
 
@@ -79,7 +84,12 @@ def rollouts_body(**fields: Any) -> dict[str, Any]:
 
 
 def evaluate_body(**fields: Any) -> dict[str, Any]:
-    return {"num_prompts": 3, "samples_per_prompt": 2, "ks": [1, 2], "inference": {"base_url": INFERENCE_URL}} | fields
+    return {
+        "num_prompts": 3,
+        "samples_per_prompt": 2,
+        "ks": [1, 2],
+        "inference": {"base_url": INFERENCE_URL},
+    } | fields
 
 
 def problem_ids(groups: list[dict[str, Any]]) -> list[str]:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from llmrl.cli import EXIT_UNAVAILABLE, EXIT_USAGE, main
+from llmrl.cli import EXIT_USAGE, main
 
 SUBCOMMANDS = ["train", "eval", "serve-env", "serve-inference", "export", "config"]
 
@@ -37,10 +37,13 @@ def test_config_errors_exit_2_with_the_field_named(tmp_path, capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["serve-inference", "--model", "tiny://arithmetic"]])
-def test_unavailable_commands_say_so(argv, capsys):
-    assert main(argv) == EXIT_UNAVAILABLE
-    assert "not part of this version yet" in capsys.readouterr().err
+def test_serve_env_with_a_bad_config_exits_2_before_listening(tmp_path, capsys):
+    assert main(["serve-env", str(tmp_path / "missing.yaml")]) == EXIT_USAGE
+    assert "config file not found" in capsys.readouterr().err
+    config = tmp_path / "env.yaml"
+    config.write_text("environments: [{agent_type: nope}]\n")
+    assert main(["serve-env", str(config)]) == EXIT_USAGE
+    assert "unknown agent type 'nope'" in capsys.readouterr().err
 
 
 def test_console_entry_point_runs():

@@ -75,7 +75,9 @@ def test_evaluate_all_environments_or_one():
         "pass@2": 1.0,
         "greedy_accuracy": 1.0,
     }
-    one = call(app, "POST", "/v1/evaluate", json=evaluate_body(env_id="add2", num_prompts=2)).json()["results"]
+    one = call(app, "POST", "/v1/evaluate", json=evaluate_body(env_id="add2", num_prompts=2)).json()[
+        "results"
+    ]
     assert list(one) == ["add2"] and len(one["add2"]["results"]) == 2
 
 
@@ -97,7 +99,10 @@ def test_a_state_that_does_not_fit_is_refused_and_changes_nothing():
     bad = before["add2"] | {"sampler": before["add2"]["sampler"] | {"seed": 99}}
     reply = call(app, "POST", "/v1/state", json={"state": {"arithmetic": good, "add2": bad}})
     assert reply.status_code == 422
-    assert "state.add2: does not fit this environment: sampler state has seed=99" in reply.json()["error"]["message"]
+    assert (
+        "state.add2: does not fit this environment: sampler state has seed=99"
+        in reply.json()["error"]["message"]
+    )
     assert call(app, "GET", "/v1/state").json()["state"] == before  # 'arithmetic' was rolled back too
     unknown = call(app, "POST", "/v1/state", json={"state": {"nope": {}}})
     assert unknown.status_code == 404
@@ -119,7 +124,9 @@ def test_agents_are_built_once_per_app(monkeypatch):
 def test_problem_order_is_the_same_in_identical_apps_even_under_concurrent_calls():
     async def concurrently(app):
         body = rollouts_body(env_id="add2", num_groups=2)
-        replies = await asyncio.gather(*(acall(app, "POST", "/v1/group_rollouts", json=body) for _ in range(3)))
+        replies = await asyncio.gather(
+            *(acall(app, "POST", "/v1/group_rollouts", json=body) for _ in range(3))
+        )
         return [pid for reply in replies for pid in problem_ids(reply.json()["groups"])]
 
     def one_by_one(app):
@@ -173,9 +180,15 @@ def test_calls_to_one_environment_run_one_at_a_time_and_different_environments_o
         ("/v1/group_rollouts", b"x" * (2 << 20), 413, "over the limit"),
     ],
 )  # fmt: skip
-def test_malformed_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(path, body, status, message):
+def test_malformed_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(
+    path, body, status, message
+):
     app = make_app()
-    content = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    content = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     reply = call(app, "POST", path, **content)
     assert reply.status_code == status, reply.text
     assert message in reply.json()["error"]["message"]
@@ -200,8 +213,12 @@ def test_bearer_token_is_required_on_every_route_when_configured():
     app = make_app(api_key="s3cret")
     for method, path, body in [("GET", "/v1/info", None), ("POST", "/v1/group_rollouts", rollouts_body()), ("GET", "/healthz", None)]:  # fmt: skip
         assert call(app, method, path, json=body).status_code == 401
-        assert call(app, method, path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert call(app, method, path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert (
+            call(app, method, path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        )
+        assert (
+            call(app, method, path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        )
 
 
 def test_plugins_come_from_the_local_config_only(monkeypatch):
@@ -210,3 +227,39 @@ def test_plugins_come_from_the_local_config_only(monkeypatch):
     config = make_config().model_copy(update={"plugins": ["my_envs"]})
     make_app(config)
     assert imported == [["my_envs"]]
+
+
+def test_default_inference_factory_reuses_one_client_per_endpoint():
+    pytest.importorskip("llmrl.inference.openai")
+    factory = env_server.OpenAIEndpoints(api_key="k", timeout_s=5)
+    endpoint = env_server.InferenceEndpoint(base_url=INFERENCE_URL, model="m")
+    first = factory(endpoint)
+    assert factory(env_server.InferenceEndpoint(base_url=INFERENCE_URL, model="m")) is first
+    assert first.model == "m" and factory(endpoint.model_copy(update={"model": None})) is not first
+    asyncio.run(factory.aclose())
+    assert factory.interfaces == {}
+
+
+def test_main_reports_config_errors_and_exits_2(tmp_path, capsys, monkeypatch):
+    assert env_server.main([str(tmp_path / "missing.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    config = tmp_path / "env.yaml"
+    config.write_text(
+        "environments: [{agent_type: arithmetic}]\ninference: {api_key_env: UNSET_INFERENCE_TOKEN}\n"
+    )
+    monkeypatch.delenv("UNSET_INFERENCE_TOKEN", raising=False)
+    assert env_server.main([str(config)]) == 2
+    assert "environment variable UNSET_INFERENCE_TOKEN is not set" in capsys.readouterr().err
+    assert (
+        env_server.main(
+            [
+                str(config),
+                "--set",
+                "inference.api_key_env=null",
+                "--set",
+                "environments.0.agent_type=os.system",
+            ]
+        )
+        == 2
+    )
+    assert "unknown agent type 'os.system'" in capsys.readouterr().err

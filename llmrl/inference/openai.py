@@ -1,0 +1,481 @@
+"""OpenAIInterface: the `InferenceInterface` over any OpenAI-compatible HTTP server.
+
+Training needs the exact completion token ids and one logprob per token, which plain OpenAI
+responses lack. Every request therefore asks for them in all the dialects this client knows:
+llmrl's own server always answers with ``token_ids``/``token_logprobs``/``prompt_token_ids``;
+vLLM (>= 0.10.2) and SGLang add ``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``
+(SGLang's chat also with ``return_prompt_token_ids``), and both give per-token logprobs with
+``logprobs``. A response still missing any of them raises `UnsupportedServerError` naming the field:
+such a server cannot be trained from. Weight sync (`update_weights`) speaks llmrl's
+``POST /v1/weights`` (docs/serving.md).
+
+Requests retry with exponential backoff on connection errors, timeouts, 408/429 and 5xx, never on
+other 4xx (the server's message is raised at once). At most `max_concurrent` requests are in flight
+per event loop; each loop gets its own HTTP client, since `generate` runs every call in a new loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from llmrl.config import InferenceConfig, ModelConfig
+from llmrl.inference.interface import run_sync
+from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
+
+__all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
+
+_RETRY_STATUSES = frozenset({408, 429})
+_CHUNK_BYTES = 1 << 20
+
+
+class InferenceServerError(RuntimeError):
+    """The server refused a request (4xx), kept failing (5xx) or was unreachable (`status` None)."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class UnsupportedServerError(ValueError):
+    """The server's answers lack what training needs (token ids, per-token logprobs, prompt continuation)."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed or timed out; `status` is the server's HTTP status when it answered."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Session:
+    """What belongs to one event loop: its HTTP client and its in-flight limit."""
+
+    client: httpx.AsyncClient
+    slots: asyncio.Semaphore
+
+
+class OpenAIInterface:
+    """`InferenceInterface` over an OpenAI-compatible server: llmrl's own, vLLM or SGLang."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout_s: float = 120,
+        max_concurrent: int = 64,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        weight_sync_timeout_s: float = 300,
+        weights_dir: str | Path | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        """
+        Args:
+            base_url: the server's API root, with or without the trailing ``/v1``.
+            api_key: bearer token the server requires (None: send none).
+            model: model name sent with requests; None: the first id of the server's ``/v1/models``.
+            timeout_s: limit of one attempt of a generation request, end to end.
+            max_concurrent: most generation requests in flight at once (per event loop).
+            max_retries: further attempts after a retryable failure; ``backoff_s * 2**attempt`` apart.
+            weight_sync_timeout_s: limit of one `update_weights`, upload and load included.
+            weights_dir: a folder this process and the server both read (a shared disk): weights are
+                written there and sent as a path. None: they are streamed in the request body.
+            transport: the httpx transport of every client (tests pass an ASGI or mock transport).
+        """
+        if not timeout_s > 0 or not weight_sync_timeout_s > 0:
+            raise ValueError(f"timeouts must be > 0, got {timeout_s} and {weight_sync_timeout_s}")
+        if max_concurrent < 1 or max_retries < 0 or backoff_s < 0:
+            raise ValueError(
+                f"need max_concurrent >= 1, max_retries >= 0 and backoff_s >= 0, got "
+                f"{max_concurrent}, {max_retries} and {backoff_s}"
+            )
+        self.base_url = _normalise_base_url(base_url)
+        self.model = model
+        self.timeout_s = timeout_s
+        self.max_concurrent = max_concurrent
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.weight_sync_timeout_s = weight_sync_timeout_s
+        self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
+        self._api_key = api_key
+        self._transport = transport
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Session] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sessions_lock = threading.Lock()
+        self._version = 0
+        self._written_file: Path | None = None  # the last weights file we wrote into weights_dir
+
+    @classmethod
+    def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int) -> OpenAIInterface:
+        """The client `config` describes (`seed` is unused: the server seeds requests that carry none)."""
+        del model, seed
+        if not config.base_url:
+            raise ValueError(
+                "inference.base_url: required for inference type 'openai' (e.g. http://127.0.0.1:8000/v1)"
+            )
+        api_key = None
+        if config.api_key_env:
+            api_key = os.environ.get(config.api_key_env)
+            if not api_key:
+                raise ValueError(
+                    f"inference.api_key_env: the environment variable {config.api_key_env} is not set"
+                )
+        return cls(
+            config.base_url,
+            api_key=api_key,
+            timeout_s=config.request_timeout_s,
+            max_concurrent=config.max_concurrent,
+            weights_dir=config.weights_dir,
+            weight_sync_timeout_s=config.weight_sync_timeout_s,
+        )
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the last successful `update_weights` (0 before any)."""
+        return self._version
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def agenerate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
+        """Sample `request.n` completions on the server, with their token ids and logprobs."""
+        if isinstance(request, dict):
+            request = InferenceRequest.model_validate(request)
+        chat = not isinstance(request.prompt, str)
+        body = _request_body(request, await self._model_name())
+        session = self._session()
+        async with session.slots:
+            data = await self._call(
+                "POST",
+                "/chat/completions" if chat else "/completions",
+                json=body,
+                timeout_s=self.timeout_s,
+                retries=self.max_retries,
+            )
+        return _parse_responses(data, request, chat, self._version)
+
+    def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
+        """Blocking form of `agenerate` (not from inside a running event loop)."""
+        return run_sync(self._closing(self.agenerate(request)))
+
+    async def aclose(self) -> None:
+        """Close this event loop's HTTP client (`generate` and `update_weights` close their own)."""
+        with self._sessions_lock:
+            session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.client.aclose()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+        """Make the server serve these weights as `version`; returns once they serve.
+
+        A state dict is written as safetensors into `weights_dir` and sent as a path, or streamed
+        when there is no `weights_dir`. A path inside `weights_dir` (a file or a folder of shards)
+        is sent as is; any other path must be a ``.safetensors`` file, which is streamed. Raises
+        `WeightSyncError` when the server refuses or does not answer within `weight_sync_timeout_s`.
+        """
+        coroutine = self._closing(self.aupdate_weights(state_dict_or_path, version))
+        if _running_loop() is None:
+            run_sync(coroutine)
+            return
+        with ThreadPoolExecutor(max_workers=1) as pool:  # called from a coroutine: use a loop of our own
+            pool.submit(asyncio.run, coroutine).result()
+
+    async def aupdate_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+        """Async form of `update_weights`."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        if isinstance(state_dict_or_path, dict):
+            await self._send_state_dict(state_dict_or_path, version)
+        else:
+            path = Path(state_dict_or_path).resolve()
+            if self._in_weights_dir(path):
+                await self._send_path(path, version)
+            elif path.is_file() and path.suffix == ".safetensors":
+                await self._stream_file(path, version)
+            else:
+                raise ValueError(
+                    f"state_dict_or_path: {path} is outside weights_dir, so it must be a .safetensors "
+                    "file to stream; pass a state dict or put the checkpoint in weights_dir"
+                )
+
+    async def _send_state_dict(self, state: dict[str, Any], version: int) -> None:
+        if self.weights_dir is not None:
+            path = self.weights_dir / f"llmrl-policy-v{version}.safetensors"
+            await asyncio.to_thread(_save_safetensors, state, path, version)
+            await self._send_path(path, version)
+            previous, self._written_file = self._written_file, path
+            if previous is not None and previous != path:
+                previous.unlink(missing_ok=True)  # the server has loaded the new one; keep the folder small
+            return
+        handle, name = tempfile.mkstemp(prefix="llmrl-weights-", suffix=".safetensors")
+        os.close(handle)
+        try:
+            await asyncio.to_thread(_save_safetensors, state, Path(name), version)
+            await self._stream_file(Path(name), version)
+        finally:
+            Path(name).unlink(missing_ok=True)
+
+    async def _send_path(self, path: Path, version: int) -> None:
+        assert self.weights_dir is not None
+        # Relative: the server resolves it in its own weights_dir, wherever the shared disk is mounted there.
+        relative = path.relative_to(self.weights_dir).as_posix()
+        await self._sync("POST", "/weights", json={"version": version, "path": relative})
+
+    async def _stream_file(self, path: Path, version: int) -> None:
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
+        await self._sync(
+            "POST", "/weights", params={"version": version}, headers=headers, content=_file_chunks(path)
+        )
+
+    async def _sync(self, method: str, path: str, **kwargs: Any) -> None:
+        try:
+            answer = await self._call(method, path, timeout_s=self.weight_sync_timeout_s, retries=0, **kwargs)
+        except InferenceServerError as exc:
+            raise WeightSyncError(f"weight sync failed: {exc}", status=exc.status) from exc
+        version = answer.get("policy_version") if isinstance(answer, dict) else None
+        if not isinstance(version, int):
+            raise WeightSyncError(f"weight sync: the server's answer has no policy_version: {answer!r}")
+        self._version = version
+
+    def _in_weights_dir(self, path: Path) -> bool:
+        return self.weights_dir is not None and self.weights_dir in path.parents
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, *, timeout_s: float, retries: int, **kwargs: Any) -> Any:
+        """One request, retried on retryable failures; the decoded JSON answer, or InferenceServerError."""
+        client = self._session().client
+        url = f"{self.base_url}{path}"
+        failure, status = "", None
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await asyncio.wait_for(
+                    client.request(method, path, timeout=timeout_s, **kwargs), timeout_s
+                )
+            except (httpx.TransportError, asyncio.TimeoutError) as exc:
+                failure, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
+                continue
+            status = response.status_code
+            if status < 400:
+                try:
+                    return response.json()
+                except ValueError:
+                    raise InferenceServerError(
+                        f"{method} {url}: the answer is not JSON: {response.text[:200]!r}", status=status
+                    ) from None
+            failure = f"HTTP {status}: {_error_message(response)}"
+            if status < 500 and status not in _RETRY_STATUSES:
+                raise InferenceServerError(f"{method} {url} was refused: {failure}", status=status)
+        raise InferenceServerError(
+            f"{method} {url} failed after {retries + 1} attempt(s): {failure}", status=status
+        )
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            data = await self._call("GET", "/models", timeout_s=self.timeout_s, retries=self.max_retries)
+            try:
+                self.model = str(data["data"][0]["id"])
+            except (KeyError, IndexError, TypeError):
+                raise InferenceServerError(
+                    f"GET {self.base_url}/models lists no model; pass model=..."
+                ) from None
+        return self.model
+
+    def _session(self) -> _Session:
+        loop = asyncio.get_running_loop()
+        with self._sessions_lock:
+            session = self._sessions.get(loop)
+            if session is None:
+                headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+                client = httpx.AsyncClient(
+                    base_url=self.base_url,
+                    headers=headers,
+                    transport=self._transport,
+                    limits=httpx.Limits(max_connections=self.max_concurrent + 1),
+                )
+                session = self._sessions[loop] = _Session(client, asyncio.Semaphore(self.max_concurrent))
+        return session
+
+    async def _closing(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run `coroutine`, then close this loop's client (for the sync wrappers' short-lived loops)."""
+        try:
+            return await coroutine
+        finally:
+            await self.aclose()
+
+
+def _normalise_base_url(base_url: str) -> str:
+    url = base_url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _request_body(request: InferenceRequest, model: str) -> dict[str, Any]:
+    """The request in OpenAI's fields, plus the options that make llmrl, vLLM and SGLang return token ids."""
+    args = request.generation_args
+    body: dict[str, Any] = {
+        "model": model,
+        "n": request.n,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_tokens": args.max_tokens,
+        "return_token_ids": True,
+    }
+    if isinstance(request.prompt, str):
+        body.update(prompt=request.prompt, logprobs=1)  # SGLang returns no logprobs for logprobs=0
+    else:
+        body.update(
+            messages=[m.model_dump() for m in request.prompt], logprobs=True, return_prompt_token_ids=True
+        )
+    if args.seed is not None:
+        body["seed"] = args.seed
+    # Extensions only when set, so that servers without them see a plain OpenAI request.
+    extensions = {
+        "stop": list(args.stop),
+        "top_k": args.top_k,
+        "stop_token_ids": list(args.stop_token_ids),
+        "prompt_token_ids": request.prompt_token_ids,
+    }
+    body.update({name: value for name, value in extensions.items() if value})
+    return body
+
+
+def _parse_responses(
+    data: Any, request: InferenceRequest, chat: bool, version: int
+) -> list[InferenceResponse]:
+    """The `InferenceResponse` of each choice; `version` stands in for servers that report none."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or len(choices) != request.n:
+        found = len(choices) if isinstance(choices, list) else "no"
+        raise InferenceServerError(f"the server answered with {found} choices for n={request.n}")
+    served = data.get("policy_version")  # llmrl's extension
+    version = served if isinstance(served, int) else version
+    responses = []
+    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+        prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        if not prompt_ids:
+            raise _missing("prompt_token_ids", "the prompt's token ids")
+        prefix = request.prompt_token_ids
+        if prefix is not None and prompt_ids[: len(prefix)] != prefix:
+            raise UnsupportedServerError(
+                "the server ignored prompt_token_ids (multi-turn continuation needs the llmrl server)"
+            )
+        responses.append(_parse_choice(choice, prompt_ids, chat, version))
+    return responses
+
+
+def _parse_choice(
+    choice: dict[str, Any], prompt_ids: list[int], chat: bool, version: int
+) -> InferenceResponse:
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise _missing("token_ids", "the completion's token ids")
+    logprobs = choice.get("token_logprobs")
+    if logprobs is None:
+        logprobs = _openai_logprob_values(choice.get("logprobs") or {})
+    if logprobs is None or len(logprobs) != len(token_ids) or any(v is None for v in logprobs):
+        raise _missing("token_logprobs", "one logprob per completion token")
+    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    return InferenceResponse(
+        text=text or "",
+        prompt_token_ids=prompt_ids,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=_finish_reason(choice.get("finish_reason")),
+        policy_version=version,
+    )
+
+
+def _openai_logprob_values(logprobs: dict[str, Any]) -> list[float] | None:
+    """Per-token logprobs from OpenAI's completions (``token_logprobs``) or chat (``content``) shape."""
+    if isinstance(logprobs.get("token_logprobs"), list):
+        return logprobs["token_logprobs"]
+    if isinstance(logprobs.get("content"), list):
+        return [entry.get("logprob") for entry in logprobs["content"]]
+    return None
+
+
+def _missing(field: str, what: str) -> UnsupportedServerError:
+    return UnsupportedServerError(
+        f"the server's response has no `{field}` ({what}), so it cannot be trained from. Use the llmrl "
+        "inference server, vLLM >= 0.10.2 or SGLang (they return it when asked with return_token_ids and "
+        "logprobs)"
+    )
+
+
+def _finish_reason(reason: Any) -> FinishReason:
+    return reason if reason in ("length", "abort") else "stop"
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's message: OpenAI's ``{"error": {"message"}}``, vLLM's ``{"message"}`` or ``{"detail"}``."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if key in data:
+                return str(data[key])
+    return str(data)[:500]
+
+
+def _save_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
+    """Write `state` to `path` atomically (a temporary name in the same folder, then a rename)."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
+        tensor = value.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in storages:  # tied weights share memory, which safetensors refuses to write
+            tensor = tensor.clone()
+        storages.add(tensor.untyped_storage().data_ptr())
+        tensors[key] = tensor
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        save_file(tensors, str(partial), metadata={"policy_version": str(version)})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    with open(path, "rb") as file:
+        while chunk := await asyncio.to_thread(file.read, _CHUNK_BYTES):
+            yield chunk
