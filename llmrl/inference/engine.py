@@ -236,12 +236,16 @@ class LocalEngine:
         """Blocking form of `agenerate` (not from inside a running event loop)."""
         return run_sync(self.agenerate(request))
 
-    def update_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+    def update_weights(
+        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
+    ) -> None:
         """Serve new weights (a state dict, a safetensors/torch file, or a folder of them) as `version`.
 
         Keys are the model's ``state_dict`` names; a subset updates only those parameters. Returns
-        once the new weights serve (see the module docstring for in-flight sequences).
+        once the new weights serve (see the module docstring for in-flight sequences). The engine
+        serves whatever version it is given, so `reset` (see `InferenceInterface`) changes nothing.
         """
+        del reset
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
         state = state_dict_or_path if isinstance(state_dict_or_path, dict) else _read_state_dict(state_dict_or_path)

@@ -21,8 +21,13 @@ class InferenceInterface(Protocol):
         """Blocking form of `agenerate`."""
         ...
 
-    def update_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
-        """Serve new weights, stamping later responses with `version`."""
+    def update_weights(
+        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
+    ) -> None:
+        """Serve new weights, stamping later responses with `version`.
+
+        Versions normally only grow; `reset` replaces whatever is served even with an older version
+        (a trainer starting or resuming a run owns the sequence)."""
         ...
 
 

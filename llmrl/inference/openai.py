@@ -183,44 +183,54 @@ class OpenAIInterface:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def update_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+    def update_weights(
+        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
+    ) -> None:
         """Make the server serve these weights as `version`; returns once they serve.
+
+        The server refuses a version older than the one it serves, and takes the one it serves as a
+        no-op, unless `reset` is set: a trainer starting or resuming a run owns the version sequence
+        and replaces whatever the server holds.
 
         A state dict is written as safetensors into `weights_dir` and sent as a path, or streamed
         when there is no `weights_dir`. A path inside `weights_dir` (a file or a folder of shards)
         is sent as is; any other path must be a ``.safetensors`` file, which is streamed. Raises
         `WeightSyncError` when the server refuses or does not answer within `weight_sync_timeout_s`.
         """
-        coroutine = self._closing(self.aupdate_weights(state_dict_or_path, version))
+        coroutine = self._closing(self.aupdate_weights(state_dict_or_path, version, reset=reset))
         if _running_loop() is None:
             run_sync(coroutine)
             return
         with ThreadPoolExecutor(max_workers=1) as pool:  # called from a coroutine: use a loop of our own
             pool.submit(asyncio.run, coroutine).result()
 
-    async def aupdate_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+    async def aupdate_weights(
+        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
+    ) -> None:
         """Async form of `update_weights`."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        target: dict[str, Any] = {"version": version, **({"reset": True} if reset else {})}
         if isinstance(state_dict_or_path, dict):
-            await self._send_state_dict(state_dict_or_path, version)
+            await self._send_state_dict(state_dict_or_path, target)
         else:
             path = Path(state_dict_or_path).resolve()
             if self._in_weights_dir(path):
-                await self._send_path(path, version)
+                await self._send_path(path, target)
             elif path.is_file() and path.suffix == ".safetensors":
-                await self._stream_file(path, version)
+                await self._stream_file(path, target)
             else:
                 raise ValueError(
                     f"state_dict_or_path: {path} is outside weights_dir, so it must be a .safetensors "
                     "file to stream; pass a state dict or put the checkpoint in weights_dir"
                 )
 
-    async def _send_state_dict(self, state: dict[str, Any], version: int) -> None:
+    async def _send_state_dict(self, state: dict[str, Any], target: dict[str, Any]) -> None:
+        version = target["version"]
         if self.weights_dir is not None:
             path = self.weights_dir / f"llmrl-policy-v{version}.safetensors"
             await asyncio.to_thread(_save_safetensors, state, path, version)
-            await self._send_path(path, version)
+            await self._send_path(path, target)
             previous, self._written_file = self._written_file, path
             if previous is not None and previous != path:
                 previous.unlink(missing_ok=True)  # the server has loaded the new one; keep the folder small
@@ -229,20 +239,20 @@ class OpenAIInterface:
         os.close(handle)
         try:
             await asyncio.to_thread(_save_safetensors, state, Path(name), version)
-            await self._stream_file(Path(name), version)
+            await self._stream_file(Path(name), target)
         finally:
             Path(name).unlink(missing_ok=True)
 
-    async def _send_path(self, path: Path, version: int) -> None:
+    async def _send_path(self, path: Path, target: dict[str, Any]) -> None:
         assert self.weights_dir is not None
         # Relative: the server resolves it in its own weights_dir, wherever the shared disk is mounted there.
         relative = path.relative_to(self.weights_dir).as_posix()
-        await self._sync("POST", "/weights", json={"version": version, "path": relative})
+        await self._sync("POST", "/weights", json={**target, "path": relative})
 
-    async def _stream_file(self, path: Path, version: int) -> None:
+    async def _stream_file(self, path: Path, target: dict[str, Any]) -> None:
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
         await self._sync(
-            "POST", "/weights", params={"version": version}, headers=headers, content=_file_chunks(path)
+            "POST", "/weights", params=target, headers=headers, content=_file_chunks(path)
         )
 
     async def _sync(self, method: str, path: str, **kwargs: Any) -> None:

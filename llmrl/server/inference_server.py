@@ -121,6 +121,8 @@ class WeightsByPath(BaseModel):
 
     version: int = Field(ge=0)
     path: str = Field(min_length=1)
+    reset: bool = False
+    """Serve these weights even if `version` is not newer (a trainer starting or resuming a run)."""
 
 
 class _InferenceServer:
@@ -224,12 +226,13 @@ class _InferenceServer:
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if content_type == "application/octet-stream":
             version = _query_version(request)
-            early = self._version_answer(version)
+            reset = request.query_params.get("reset", "").lower() in ("1", "true")
+            early = self._version_answer(version, reset)
             if early is not None:
                 return early
             upload = await _receive_to_file(request)
             try:
-                return await asyncio.to_thread(self._apply_weights, upload, version)
+                return await asyncio.to_thread(self._apply_weights, upload, version, reset)
             finally:
                 upload.unlink(missing_ok=True)
         body = await self._read_json(request)
@@ -238,10 +241,12 @@ class _InferenceServer:
         except ValidationError as exc:
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
         path = self._weights_path(update.path)
-        return await asyncio.to_thread(self._apply_weights, path, update.version)
+        return await asyncio.to_thread(self._apply_weights, path, update.version, update.reset)
 
-    def _version_answer(self, version: int) -> JSONResponse | None:
-        """The answer to a version not newer than the served one (no-op or 409); None for newer ones."""
+    def _version_answer(self, version: int, reset: bool) -> JSONResponse | None:
+        """The answer to a version not newer than the served one (no-op or 409); None to load it."""
+        if reset:
+            return None
         current = self.engine.policy_version
         if version == current:
             return JSONResponse({"policy_version": current, "seconds": 0.0, "applied": False})
@@ -249,10 +254,10 @@ class _InferenceServer:
             return error_response(409, f"version {version} is older than the served version {current}")
         return None
 
-    def _apply_weights(self, source: Path, version: int) -> JSONResponse:
+    def _apply_weights(self, source: Path, version: int, reset: bool) -> JSONResponse:
         """Load `source` as `version` (worker thread: the event loop keeps stepping the batch meanwhile)."""
         with self._weights_lock:
-            early = self._version_answer(version)
+            early = self._version_answer(version, reset)
             if early is not None:
                 return early
             start = time.perf_counter()

@@ -110,6 +110,9 @@ class Trainer:
             self._restore(checkpoint[1])
         else:
             _clear_outputs(self.run_dir)
+        # The inference side may hold other weights (a server kept from an earlier run, or ahead of
+        # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
+        self.inference.update_weights(self.policy.state_dict(), version=self.step, reset=True)
         self.resumed = checkpoint is not None
 
     # -- the loop --------------------------------------------------------------------------------
@@ -227,7 +230,6 @@ class Trainer:
         else:  # the schedule still follows the step; Adam's moments start over
             self.scheduler.last_epoch = self.step
             self.scheduler.step(self.step)
-        self.inference.update_weights(self.policy.state_dict(), version=self.step)
 
     def _open_outputs(self, stack: ExitStack) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

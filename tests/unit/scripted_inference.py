@@ -88,7 +88,9 @@ class ScriptedInference:
     def generate(self, request: InferenceRequest) -> list[InferenceResponse]:
         return run_sync(self.agenerate(request))
 
-    def update_weights(self, state_dict_or_path: dict[str, Any] | str | Path, version: int) -> None:
+    def update_weights(
+        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
+    ) -> None:
         self.policy_version = version
 
 

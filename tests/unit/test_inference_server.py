@@ -377,6 +377,10 @@ def test_streamed_weights_and_versions(weights_server):
     assert stale.status_code == 409
     assert "2" in stale.json()["error"]["message"] and "3" in stale.json()["error"]["message"]
     assert client.post("/v1/weights", content=save(state), headers=OCTETS).status_code == 422  # no ?version
+    older = shifted_state(engine)
+    reset = client.post("/v1/weights?version=0&reset=true", content=save(older), headers=OCTETS)
+    assert reset.status_code == 200 and reset.json()["applied"] and engine.policy_version == 0
+    assert_served(engine, older)
 
 
 def test_bad_tensors_are_refused_and_the_old_weights_keep_serving(weights_server):

@@ -143,6 +143,11 @@ def test_refused_weight_updates_raise_weight_sync_error(served):
     with pytest.raises(WeightSyncError, match="version 4 is older than the served version 5") as stale:
         remote.update_weights(shifted_state(engine), 4)
     assert stale.value.status == 409
+    restarted = shifted_state(engine)
+    remote.update_weights(restarted, 0, reset=True)  # a run starting over replaces what is served
+    assert engine.policy_version == 0
+    assert_served(engine, restarted)
+    remote.update_weights(shifted_state(engine), 5)
     with pytest.raises(WeightSyncError, match="keys the model does not have") as bad:
         remote.update_weights({"no.such.weight": torch.zeros(2)}, 6)
     assert bad.value.status == 400 and engine.policy_version == remote.policy_version == 5
