@@ -1,16 +1,12 @@
 """The environment server as its own process (`python -m llmrl.server.env_server`), reached over a socket."""
 
 import asyncio
-import contextlib
-import socket
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import yaml
+from servers import free_port, serving
 
 from llmrl.agents import PassAtKAgent
 from llmrl.agents.remote import RemoteAgent
@@ -25,40 +21,6 @@ CONFIG = {
     "inference": {"request_timeout_s": 30},
     "environments": [{"agent_type": "arithmetic", "agent_args": {"digits": 1, "eval_size": 4}}],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(module: str, *args: str, log_path, headers=None, startup_s: float = 120.0):
-    """Run ``python -m module args`` until /healthz answers; yields its base URL; always stops it."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + startup_s
-            while True:
-                assert process.poll() is None, f"{module} exited: {log_path.read_text()}"
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/healthz", headers=headers, timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, f"{module} did not start: {log_path.read_text()}"
-                time.sleep(0.2)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @pytest.fixture

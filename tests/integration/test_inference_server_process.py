@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import httpx
 import openai
 import pytest
 import torch
+from servers import serving
 
 from llmrl.inference.openai import OpenAIInterface, WeightSyncError
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
@@ -20,55 +15,16 @@ pytestmark = pytest.mark.slow
 KEY = "integration-key"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def server(tiny_model_path, tmp_path):
-    """``python -m llmrl.server.inference_server`` running: yields (base_url, weights dir); always killed."""
-    port = free_port()
+    """``python -m llmrl.server.inference_server`` running: yields (base_url, weights dir); always stopped."""
     folder = tmp_path / "weights"
     folder.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "llmrl.server.inference_server",
-        "--model",
-        "tiny://arithmetic",
-        "--port",
-        str(port),
-        "--api-key",
-        KEY,
-        "--weights-dir",
-        str(folder),
-    ]
-    log = (tmp_path / "server.log").open("w")
-    process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if (
-                    httpx.get(f"{base_url}/healthz", headers={"Authorization": f"Bearer {KEY}"}).status_code
-                    == 200
-                ):
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start within 120 s"
-            time.sleep(0.2)
+    with serving(
+        "llmrl.server.inference_server", "--model", "tiny://arithmetic", "--api-key", KEY, "--weights-dir", str(folder),
+        log_path=tmp_path / "server.log", headers={"Authorization": f"Bearer {KEY}"},
+    ) as base_url:  # fmt: skip
         yield base_url, folder
-    finally:
-        process.kill()
-        process.wait(timeout=30)
-        log.close()
 
 
 def test_official_client_and_openai_interface_over_http(server):
