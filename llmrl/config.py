@@ -107,8 +107,13 @@ class AlgorithmConfig(Section):
     """Estimator of KL(policy || reference) per token (Schulman's k1/k2/k3)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus."""
-    is_mode: Literal["truncate", "mask"] | None = None
-    """Trainer/inference mismatch correction: truncated IS weights, sequence masking, or none."""
+    is_mode: Literal["auto", "truncate", "mask", "off"] = "auto"
+    """Trainer/inference mismatch correction: truncated IS weights, sequence masking, or off; `auto` is `truncate` when training.generation_lag > 0, else off."""
+
+    @field_validator("is_mode", mode="before")
+    @classmethod
+    def _yaml_null_or_off(cls, value: Any) -> Any:
+        return "off" if value is None or value is False else value  # YAML reads `off` as false
     is_cap: float = Field(2.0, gt=0.0)
     """Cap of the truncated importance weights (`truncate`) or mismatch threshold (`mask`)."""
     overlong_buffer: int | None = Field(None, ge=1)
@@ -152,7 +157,7 @@ class TrainingConfig(Section):
     """Longest packed row (rollouts laid end to end); a rollout longer than this gets a row of its own.
     Attention over a row costs its length squared with the sdpa/eager kernels, so short rows are faster."""
     generation_lag: int = Field(0, ge=0)
-    """Steps generation may run ahead of training (0 = synchronous on-policy)."""
+    """Steps generation runs ahead of training: batch t is generated with the weights of step t-1-lag while earlier steps train (0 = on-policy, no overlap)."""
     deterministic: bool = True
     """Use deterministic kernels so that the same config gives the same numbers."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -81,6 +81,9 @@ class PolicyUpdate:
         self.pad_token_id = pad_token_id
         self.reference = reference
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
+        # Rollouts generated ahead of training come from older weights: correct by default.
+        automatic = "truncate" if training.generation_lag > 0 else None
+        self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
         self.device = next(policy.parameters()).device
 
     def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
@@ -206,7 +209,7 @@ class PolicyUpdate:
             entropies=entropies,
             entropy_coef=algorithm.entropy_coef,
             inference_logprobs=None if inference is None else pack_values(inference, packed),
-            is_mode=algorithm.is_mode,
+            is_mode=self.is_mode,
             is_cap=algorithm.is_cap,
             sequence_ids=packed.sequence_ids,
         )

@@ -11,10 +11,14 @@ advantages and picks the rollouts that reach the loss:
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -23,7 +27,8 @@ from llmrl.algorithms.advantages import group_advantages
 from llmrl.algorithms.losses import loss_normalizer
 from llmrl.algorithms.shaping import soft_overlong_penalty
 from llmrl.config import AlgorithmConfig
-from llmrl.types import RolloutGroup, TokenRollout
+from llmrl.trainer.bank import BankedBatch, RolloutBank
+from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 
 @dataclass
@@ -116,3 +121,104 @@ def rollout_metrics(
         metrics["rollout/zero_signal_group_frac"] = 1.0 - float(has_signal.float().mean())
     metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean()) if advantages.numel() else 0.0
     return metrics
+
+
+class RolloutPipeline:
+    """Generates each step's batch at most `lag` steps ahead of training, banking every batch.
+
+    Batch ``t`` (for training step ``t``) is generated with the weights of step ``max(0, t - 1 - lag)``:
+    with ``lag=0`` right after the previous step's weights are synced (on-policy); with ``lag=L`` while
+    the L steps before it train. The schedule is fixed, not a race: a batch is submitted right after
+    the weights it must use are synced, and a sync waits until every batch submitted before it is
+    complete, so in-flight work always finishes on the weights it started with and no sequence mixes
+    two versions. Batches are drawn one at a time, in step order, by a worker thread with its own
+    event loop; the trainer's thread trains meanwhile. A seeded run therefore generates the same
+    tokens with or without interruptions, whatever the timing.
+    """
+
+    def __init__(
+        self,
+        agents: Any,
+        inference: Any,
+        *,
+        num_groups: int,
+        group_size: int,
+        generation_args: Callable[[int], GenerationArgs],
+        lag: int,
+        last_step: int,
+        bank: RolloutBank,
+    ):
+        self.agents = agents
+        self.inference = inference
+        self.num_groups = num_groups
+        self.group_size = group_size
+        self.generation_args = generation_args
+        self.lag = lag
+        self.last_step = last_step
+        self.bank = bank
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-rollouts")
+        self._batches: dict[int, Future[list[RolloutGroup]]] = {}
+        self._state_after: dict[int, dict[str, Any]] = {}  # agents' state right after drawing batch t
+        self._next_step = 1
+
+    def start(self, trained_step: int) -> int:
+        """Continue after `trained_step`: banked batches first, then submit what the lag allows.
+
+        Returns how many banked batches were taken up."""
+        self._state_after[trained_step] = self.agents.state_dict()
+        pending = self.bank.pending(trained_step)
+        for banked in pending:
+            done: Future[list[RolloutGroup]] = Future()
+            done.set_result(banked.groups)
+            self._batches[banked.step] = done
+            self._state_after[banked.step] = banked.agent_state
+        if pending:
+            self.agents.load_state_dict(pending[-1].agent_state)
+        self._next_step = trained_step + 1 + len(pending)
+        self.submit_ahead(trained_step)
+        return len(pending)
+
+    def get(self, step: int) -> list[RolloutGroup]:
+        """The groups of training step `step` (waits for their generation)."""
+        return self._batches.pop(step).result()
+
+    def wait_ahead(self) -> None:
+        """Wait until every submitted batch is complete (before the weights they use change)."""
+        for future in list(self._batches.values()):
+            future.exception()  # waits; a failure is raised by `get`
+
+    def submit_ahead(self, trained_step: int) -> None:
+        """Submit the batches the weights of `trained_step` (now served) are to generate."""
+        while self._next_step <= min(trained_step + 1 + self.lag, self.last_step):
+            self._batches[self._next_step] = self._worker.submit(
+                contextvars.copy_context().run, self._draw, self._next_step
+            )
+            self._next_step += 1
+
+    def agent_state(self, trained_step: int) -> dict[str, Any]:
+        """The agents' state as of the batch of `trained_step` (what a checkpoint of that step saves)."""
+        for step in [s for s in list(self._state_after) if s < trained_step]:
+            del self._state_after[step]
+        return self._state_after[trained_step]
+
+    def close(self) -> None:
+        for future in self._batches.values():
+            future.cancel()
+        self._worker.shutdown(wait=True)
+
+    def _draw(self, step: int) -> list[RolloutGroup]:
+        groups = asyncio.run(
+            self.agents.group_rollouts(self.inference, self.num_groups, self.group_size, self.generation_args(step))
+        )
+        state = self.agents.state_dict()
+        self.bank.append(BankedBatch(step=step, groups=groups, agent_state=state))
+        self._state_after[step] = state
+        return groups
+
+
+def staleness_metrics(groups: Sequence[RolloutGroup], trained_version: int) -> dict[str, float]:
+    """How many weight versions behind the trained policy the step's rollouts were generated."""
+    lags = [trained_version - r.policy_version for g in groups for r in g.rollouts if r.is_valid]
+    if not lags:
+        return {}
+    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}

@@ -40,17 +40,19 @@ from llmrl.models import load_model
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
 from llmrl.trainer import checkpoint as ckpt
+from llmrl.trainer.bank import BANK_FILE, RolloutBank
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
-from llmrl.trainer.rollouts import prepare_batch, rollout_metrics
+from llmrl.trainer.rollouts import RolloutPipeline, prepare_batch, rollout_metrics, staleness_metrics
+from llmrl.types import GenerationArgs
 
 # Fields that may change between a run and its resumption without changing what it trains.
 _RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
                       "inference.api_key_env", "inference.request_timeout_s", "inference.weights_dir",
                       "inference.weight_sync_timeout_s")
 # Written fresh by a run that starts from step 0.
-_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard")
+_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
 
 
 class Trainer:
@@ -94,7 +96,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
         self.generation_args = generation if generation.seed is not None else generation.merge(
-            type(generation)(seed=config.seed)
+            GenerationArgs(seed=config.seed)
         )
         self.update = PolicyUpdate(
             self.policy, self.optimizer, algorithm=config.algorithm, training=config.training,
@@ -103,6 +105,7 @@ class Trainer:
         )  # fmt: skip
         self.inference = build_inference(config.inference, config.model, seed=config.seed)
 
+        self.pipeline: RolloutPipeline | None = None
         self.step = 0
         self.seconds = 0.0  # training wall time over all sessions of this run
         self.evaluations: dict[int, Summary] = {}
@@ -129,6 +132,10 @@ class Trainer:
             display = stack.enter_context(ProgressDisplay(steps, start_step=min(self.step, steps),
                                                           mode=config.logging.progress, stream=self.progress_stream))
             stop_requested = stack.enter_context(_stop_after_step_on_interrupt(display))
+            self.pipeline = stack.enter_context(contextlib.closing(self._pipeline()))
+            banked = self.pipeline.start(self.step)
+            if banked:
+                display.message(f"training first on {banked} batch(es) generated before the interruption")
             while self.step < steps:
                 metrics = self._train_step(self.step + 1)
                 self.step += 1
@@ -142,32 +149,43 @@ class Trainer:
                 if stop_requested():
                     display.message(f"stopped after step {self.step}; running the same command again resumes")
                     raise KeyboardInterrupt
+                self.pipeline.submit_ahead(self.step)  # the batches these weights are to generate
             if config.evaluation.at_end and self.step not in self.evaluations:  # e.g. steps: 0
                 self._log(self.step, self._evaluate(self.step))
                 self._save()
             return self._finish()
 
+    def _pipeline(self) -> RolloutPipeline:
+        training = self.config.training
+
+        def generation_args(step: int) -> GenerationArgs:
+            return self.generation_args.merge(GenerationArgs(seed=derive_seed(self.generation_args.seed, "step", step)))
+
+        return RolloutPipeline(
+            self.agents, self.inference, num_groups=training.prompts_per_step, group_size=training.group_size,
+            generation_args=generation_args, lag=training.generation_lag, last_step=training.steps,
+            bank=RolloutBank(self.run_dir),
+        )  # fmt: skip
+
     def _train_step(self, step: int) -> dict[str, float]:
         training, started = self.config.training, time.perf_counter()
-        step_args = self.generation_args.merge(
-            type(self.generation_args)(seed=derive_seed(self.generation_args.seed, "step", step))
-        )
-        with self.tracer.span("rollouts", step=step):  # generate + reward
-            groups = run_sync(self.agents.group_rollouts(
-                self.inference, training.prompts_per_step, training.group_size, step_args))  # fmt: skip
+        with self.tracer.span("rollouts", step=step):  # waiting for generation + reward
+            groups = self.pipeline.get(step)
         batch, advantages = prepare_batch(groups, group_size=training.group_size, algorithm=self.config.algorithm,
-                                          max_tokens=step_args.max_tokens)
+                                          max_tokens=self.generation_args.max_tokens)
         with self.tracer.span("train", step=step, sequences=len(batch)):  # logprobs, loss, optimizer
             learning_rate = self.scheduler.get_last_lr()[0]
             update = self.update(batch, torch.Generator().manual_seed(derive_seed(self.config.seed, "order", step)))
             self.scheduler.step()
         with self.tracer.span("sync", step=step):
+            self.pipeline.wait_ahead()  # batches generating now must finish on the weights they started with
             self.inference.update_weights(self.policy.state_dict(), version=step)
         step_seconds = time.perf_counter() - started
         self.seconds += step_seconds
         self._log_rollouts(step, groups, advantages)
         generated = sum(r.num_generated for g in groups for r in g.rollouts if r.is_valid)
         metrics = rollout_metrics(groups, advantages, correct_threshold=self.config.evaluation.correct_threshold)
+        metrics |= staleness_metrics(groups, trained_version=step - 1)
         metrics |= {f"train/{key}": value for key, value in update.items()}
         metrics |= {"train/lr": learning_rate, "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0))}
         metrics |= {f"agents/{key}": value for key, value in self.agents.pop_metrics().items()}
@@ -178,7 +196,7 @@ class Trainer:
     def _evaluate(self, step: int) -> dict[str, float]:
         with self.tracer.span("evaluate", step=step):
             # The same seed at every evaluation: differences between steps come from the weights.
-            args = self.generation_args.merge(type(self.generation_args)(
+            args = self.generation_args.merge(GenerationArgs(
                 seed=derive_seed(self.generation_args.seed, "evaluation")))
             summary = run_sync(evaluate_environments(self.agents, self.inference, self.config.evaluation, args))
         self.evaluations[step] = summary
@@ -204,7 +222,7 @@ class Trainer:
             "step": self.step,
             "seconds": self.seconds,
             "evaluations": self.evaluations,
-            "agents": self.agents.state_dict(),
+            "agents": self.pipeline.agent_state(self.step) if self.pipeline else self.agents.state_dict(),
             "rng": ckpt.rng_state(),
         }
         if self.config.checkpoint.save_optimizer:
@@ -218,6 +236,7 @@ class Trainer:
                 config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
             )  # fmt: skip
         self.tracer.save()  # rewrites the whole file: at checkpoints, not every step
+        RolloutBank(self.run_dir).compact(self.step)
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_trainer_state(folder)

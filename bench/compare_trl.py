@@ -1,0 +1,633 @@
+"""GRPO side by side with Hugging Face TRL: the same model, task, prompts and settings, one command.
+
+    python bench/compare_trl.py [--steps 30] [--long-steps 6] [--repeats 2] [--betas 0 0.04]
+                                [--workloads natural long] [--lr 3e-4] [--out runs/compare_trl]
+
+Needs the `trl` extra (``pip install -c constraints.txt -e '.[trl]'``). Builds (or reuses) the tiny
+default model (`tiny://arithmetic`, 0.9M-parameter Qwen2, ChatML) and writes the training prompts,
+drawn from the arithmetic task's train split in the order llmrl's trainer draws them, to
+``OUT/prompts.jsonl``; TRL reads that file in order (``shuffle_dataset=False``), and the llmrl run
+checks that it trained on the same problems. Then, for every setting (workload x KL beta), it trains
+each framework in a subprocess of its own (so that peak RSS is that framework's), repeats
+interleaved and the order alternating, because timings drift over minutes on a shared machine:
+
+- **TRL**: `GRPOTrainer` with its default generation (`model.generate`, no vLLM);
+- **llmrl**: `llmrl.trainer.Trainer(load_config(None, overrides)).run()`.
+
+Matched settings: 8 prompts x 8 completions per step (TRL's ``per_device_train_batch_size`` counts
+completions: 64), one optimizer step per RL step (no PPO epochs, so the ratio's denominator is the
+policy being trained on both sides), the same max completion length, learning rate (constant,
+no warm-up), AdamW betas and eps, gradient clipping at 1.0, clip range 0.2 / 0.28 (clip-higher),
+beta with the k3 KL estimator, temperature 1 (no top-k/top-p), seed; group-normalised advantages;
+per-token losses averaged over every completion token of the step (llmrl's `token_mean`, TRL's
+``loss_type="dapo"``); float32 weights and math on both (TRL defaults to bf16 autocast), no gradient
+checkpointing (TRL's default is on), no experiment tracker, no evaluation inside the timed steps.
+Remaining differences: TRL's group std is the sample std (n - 1) and its epsilon 1e-4, llmrl's the
+population std and 1e-6, which scales advantages by at most 7% (AdamW mostly absorbs it).
+
+Workloads:
+
+- ``natural``: the arithmetic task as trained (completions stop at eos, a few tokens; at most 16).
+- ``long``: every completion exactly 64 tokens, for throughput only. TRL suppresses eos for 64
+  tokens (``generation_kwargs={"min_new_tokens": 64}``); llmrl serves rollouts through the embedded
+  engine with eos turned off (``LocalEngine(eos_token_ids=())``), registered here as the inference
+  type ``local-no-eos`` (a plug-in: no llmrl option is needed).
+
+Printed per setting (one markdown table, also written to ``OUT/report.md``): median seconds per
+step over steps 2..N (the first is warm-up) and its split into generation (including the reward)
+and the rest (logprobs, loss, backward, optimizer, weight sync); completion tokens per second of
+step time; peak RSS of the process; the model FLOP/s of the whole step as a fraction of a float32
+matmul peak measured in the same run; and, for the natural workload, held-out sampled accuracy
+(pass@1) and greedy accuracy before and after the N steps, both measured with llmrl's evaluation
+(`llmrl.evaluation.evaluate_environments`) on each framework's saved model. Ratios are llmrl / TRL
+within a repeat, median over repeats. Also saved: ``OUT/reward_curves.png`` (mean training reward
+per step, both frameworks).
+
+FLOPs are counted the same way for both, from the prompts and completions each produced: 2 x
+weights per token plus causal attention, for generation (each group's prompt prefilled once, every
+completion token but the last fed back), for forward + backward over every rollout (3 x forward,
+logits on completion positions only) and for the reference model's forward when beta > 0. Padding,
+recomputation and redundant prefills are not counted; work llmrl skips (the forward and backward of
+zero-advantage rollouts when beta is 0) is counted as if done, so the figure measures the step, not
+the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PROMPTS_PER_STEP = 8
+GROUP_SIZE = 8
+NATURAL_MAX_TOKENS = 16  # llmrl's default max_tokens for the task; the answers take 3-5 tokens
+LONG_MAX_TOKENS = 64
+FRAMEWORKS = ("trl", "llmrl")
+NO_EOS_INFERENCE = "local-no-eos"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One table: a workload, its KL weight and the number of training steps."""
+
+    workload: str
+    beta: float
+    steps: int
+
+    @property
+    def max_tokens(self) -> int:
+        return LONG_MAX_TOKENS if self.workload == "long" else NATURAL_MAX_TOKENS
+
+    @property
+    def slug(self) -> str:
+        return f"{self.workload}-beta{self.beta:g}"
+
+    @property
+    def title(self) -> str:
+        completions = "stop at eos" if self.workload == "natural" else f"exactly {LONG_MAX_TOKENS} tokens"
+        return f"{self.workload} ({completions}), beta {self.beta:g}, {self.steps} steps"
+
+
+@dataclass
+class WorkerSpec:
+    """What one training subprocess runs; written as JSON next to its run folder."""
+
+    framework: str
+    setting: Setting
+    model_dir: str
+    prompts_file: str
+    run_dir: str
+    lr: float
+    seed: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def write_prompts(path: Path, count: int, seed: int) -> list[dict[str, Any]]:
+    """The first `count` training problems in the order llmrl's trainer draws them, as JSONL rows."""
+    from llmrl.agents import build_agents
+    from llmrl.agents.sampler import EpochSampler
+    from llmrl.config import load_config
+
+    config = load_config(None, [f"seed={seed}"])
+    (agent,) = build_agents(config.environments, config.seed).agents
+    problems = agent.train_problems
+    order = EpochSampler(len(problems), seed=config.seed).take(count)  # what RewardOnlyAgent draws
+    rows = [
+        {"problem_id": problems[i].id, "prompt": [m.model_dump() for m in problems[i].prompt],
+         "answer": problems[i].answer.answer}
+        for i in order
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return rows
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (one subprocess per run)
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Train one framework on one setting; returns per-step records and the process's peak RSS."""
+    import torch
+
+    torch.manual_seed(spec.seed)
+    started = time.perf_counter()
+    result = run_trl(spec) if spec.framework == "trl" else run_llmrl(spec)
+    result["wall_s"] = time.perf_counter() - started
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["threads"] = torch.get_num_threads()
+    return result
+
+
+def run_trl(spec: WorkerSpec) -> dict[str, Any]:
+    """TRL's GRPOTrainer with every default that differs from llmrl's set explicitly."""
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    from llmrl.envs.arithmetic import score
+
+    transformers.logging.set_verbosity_error()
+    setting = spec.setting
+    rows = read_prompts(spec.prompts_file)[: setting.steps * PROMPTS_PER_STEP]
+    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    steps: list[dict[str, Any]] = []
+
+    def arithmetic_reward(completions: list[list[dict[str, str]]], answer: list[int], **_: Any) -> list[float]:
+        return [score(c[-1]["content"], _Answer(a)) for c, a in zip(completions, answer, strict=True)]
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Records, per step, the time spent generating and scoring and what was generated."""
+
+        def _generate(self, prompts: list) -> Any:
+            began = time.perf_counter()
+            output = super()._generate(prompts)
+            prompt_ids, completion_ids = output[0], output[1]
+            steps.append({
+                "generate_s": time.perf_counter() - began, "reward_s": 0.0,
+                "lengths": [[len(p), len(c)] for p, c in zip(prompt_ids, completion_ids, strict=True)],
+            })  # fmt: skip
+            return output
+
+        def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+            began = time.perf_counter()
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            steps[-1]["reward_s"] = time.perf_counter() - began
+            steps[-1]["reward"] = float(rewards.sum(dim=1).mean())
+            return rewards
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.began = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            steps[-1]["step_s"] = time.perf_counter() - self.began
+
+    config = GRPOConfig(
+        output_dir=spec.run_dir,
+        seed=spec.seed,
+        data_seed=spec.seed,
+        max_steps=setting.steps,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,  # counts completions
+        gradient_accumulation_steps=1,
+        num_generations=GROUP_SIZE,
+        num_iterations=1,
+        shuffle_dataset=False,  # the prompts file's order, as llmrl draws them
+        max_completion_length=setting.max_tokens,
+        generation_kwargs={"min_new_tokens": LONG_MAX_TOKENS} if setting.workload == "long" else None,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        beta=setting.beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",  # token mean over the whole step: llmrl's token_mean
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        model_init_kwargs={"dtype": "float32"},
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
+    trainer = TimedGRPOTrainer(
+        model=spec.model_dir, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
+        callbacks=[StepTimer()],
+    )  # fmt: skip
+    train_began = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - train_began
+    model_dir = Path(spec.run_dir) / "model"
+    trainer.save_model(str(model_dir))
+    return {"steps": steps, "train_s": train_s, "model_dir": str(model_dir), "version": _version("trl")}
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What `llmrl.envs.arithmetic.score` reads of a problem."""
+
+    answer: int
+
+
+def run_llmrl(spec: WorkerSpec) -> dict[str, Any]:
+    """llmrl's trainer, configured from the built-in demo config with overrides."""
+    from llmrl.config import load_config
+    from llmrl.logging import read_jsonl, read_metrics
+    from llmrl.trainer import Trainer
+
+    setting = spec.setting
+    overrides = [
+        f"seed={spec.seed}",
+        f"run_dir={spec.run_dir}",
+        f"model.spec={spec.model_dir}",
+        "model.dtype=float32",
+        f"training.steps={setting.steps}",
+        f"training.prompts_per_step={PROMPTS_PER_STEP}",
+        f"training.group_size={GROUP_SIZE}",
+        f"training.lr={spec.lr}",
+        "training.lr_schedule=constant",
+        "training.warmup_steps=0",
+        "training.weight_decay=0.0",
+        "training.max_grad_norm=1.0",
+        "training.iterations=1",
+        "training.mini_batches=1",
+        f"algorithm.kl_beta={setting.beta}",
+        "algorithm.kl_estimator=k3",
+        "algorithm.clip_low=0.2",
+        "algorithm.clip_high=0.28",
+        "algorithm.aggregation=token_mean",
+        "algorithm.advantage_estimator=grpo",
+        "inference.generation.temperature=1.0",
+        "inference.generation.top_p=1.0",
+        "inference.generation.top_k=0",
+        f"inference.generation.max_tokens={setting.max_tokens}",
+        "evaluation.at_start=false",
+        "evaluation.at_end=false",
+        "evaluation.every=0",
+        "checkpoint.every=0",
+        "checkpoint.keep_last=1",
+        "checkpoint.save_optimizer=false",
+        "logging.tensorboard=false",  # TRL runs with report_to="none"
+        f"logging.rollouts_per_step={PROMPTS_PER_STEP}",  # one per group: checks the prompts below
+        "logging.progress=off",
+    ]
+    if setting.workload == "long":
+        _register_no_eos_engine()
+        overrides.append(f"inference.type={NO_EOS_INFERENCE}")
+    trainer = Trainer(load_config(None, overrides))
+    lengths: list[list[list[int]]] = []
+    update = trainer.update
+
+    def recording_update(batch: Any, generator: Any) -> Any:
+        lengths.append([[len(r.trajectory[0]), r.num_generated] for r in batch.rollouts])
+        return update(batch, generator)
+
+    trainer.update = recording_update
+    train_began = time.perf_counter()
+    trainer.run()
+    train_s = time.perf_counter() - train_began
+
+    run_dir = Path(spec.run_dir)
+    expected = [r["problem_id"] for r in read_prompts(spec.prompts_file)[: setting.steps * PROMPTS_PER_STEP]]
+    trained = [r["problem_id"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
+    if trained != expected:
+        raise RuntimeError("llmrl trained on other problems than the prompts file lists (first difference at "
+                           f"{next(i for i, (a, b) in enumerate(zip(trained, expected)) if a != b)})")
+    steps = []
+    for record, step_lengths in zip([m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] > 0], lengths,
+                                    strict=True):
+        steps.append({"step_s": record["time/step_s"], "generate_s": record["time/rollouts_s"], "reward_s": 0.0,
+                      "reward": record["reward/mean"], "lengths": step_lengths})
+    model_dir = next((run_dir / "checkpoints").glob("step_*")) / "model"
+    return {"steps": steps, "train_s": train_s, "model_dir": str(model_dir), "version": _version("llmrl")}
+
+
+def _register_no_eos_engine() -> None:
+    """Register `local-no-eos`: the embedded engine with eos off, so every completion runs to max_tokens."""
+    from llmrl.inference.engine import LocalEngine
+    from llmrl.registry import register_inference
+
+    class NoEosEngine(LocalEngine):
+        def __init__(self, *args: Any, **kwargs: Any):
+            kwargs.setdefault("eos_token_ids", ())
+            super().__init__(*args, **kwargs)
+
+    register_inference(NO_EOS_INFERENCE, NoEosEngine, replace=True)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and the matmul peak
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count needs of the model."""
+
+    body: int  # parameters outside the embedding and the output head
+    head: int  # output head parameters (vocab x hidden)
+    layers: int
+    attention_width: int  # query heads x head dim
+
+    @classmethod
+    def of(cls, model_dir: str) -> ModelShape:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        embedding = model.get_input_embeddings().weight.numel()
+        head = model.get_output_embeddings().weight.numel()
+        body = sum(p.numel() for p in model.parameters()) - embedding - (0 if config.tie_word_embeddings else head)
+        return cls(body, head, config.num_hidden_layers, config.num_attention_heads * head_dim)
+
+    def attention(self, queries: int, context_before: int = 0) -> float:
+        """q.k and p.v FLOPs of `queries` consecutive causal positions after `context_before` others."""
+        attended = queries * context_before + queries * (queries + 1) / 2
+        return 4 * self.layers * self.attention_width * attended
+
+    def step_flops(self, lengths: list[list[int]], beta: float) -> float:
+        """Useful FLOPs of one GRPO step from its rollouts' (prompt, completion) lengths, groups contiguous."""
+        flops = 0.0
+        for index, (prompt, completion) in enumerate(lengths):
+            if index % GROUP_SIZE == 0:  # generation: the group's prompt once, logits of its last token
+                flops += 2 * self.body * prompt + 2 * self.head + self.attention(prompt)
+            fed_back = completion - 1  # generation: every completion token but the last
+            flops += 2 * (self.body + self.head) * fed_back + self.attention(fed_back, prompt + 1)
+            forward = 2 * self.body * (prompt + completion) + 2 * self.head * completion
+            forward += self.attention(prompt + completion)
+            flops += forward * (3 + (1 if beta > 0 else 0))  # forward + backward, reference forward
+        return flops
+
+
+def matmul_peak(seconds: float = 2.0) -> float:
+    """Best float32 FLOP/s of a 1024^3 matmul over a few tries (with torch's default threads)."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        began = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = max(best, 4 * 2 * 1024**3 / (time.perf_counter() - began))
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def evaluate(model_dir: str, seed: int, num_prompts: int) -> dict[str, float]:
+    """Held-out arithmetic accuracy of a saved model, by llmrl's evaluation (what `llmrl eval` runs)."""
+    from llmrl.agents import build_agents
+    from llmrl.config import load_config
+    from llmrl.evaluation import evaluate_environments
+    from llmrl.inference import build_inference, run_sync
+    from llmrl.seeding import derive_seed
+    from llmrl.types import GenerationArgs
+
+    config = load_config(None, [
+        f"seed={seed}", f"model.spec={model_dir}", f"environments.0.agent_args.eval_size={num_prompts}",
+        f"evaluation.num_prompts={num_prompts}", "evaluation.samples_per_prompt=8", "evaluation.ks=[1, 8]",
+        f"inference.generation.max_tokens={NATURAL_MAX_TOKENS}", "inference.generation.temperature=1.0",
+    ])  # fmt: skip
+    agents = build_agents(config.environments, config.seed)
+    inference = build_inference(config.inference, config.model, seed=config.seed)
+    # The trainer's evaluation seed: every model is scored on the same sampling streams.
+    args = config.inference.generation.merge(GenerationArgs(seed=derive_seed(seed, "evaluation")))
+    (summary,) = run_sync(evaluate_environments(agents, inference, config.evaluation, args)).values()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+
+
+def launch(spec: WorkerSpec, log_path: Path) -> dict[str, Any]:
+    """Run one worker subprocess; its output goes to `log_path`, its result comes back as JSON."""
+    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    spec_path = Path(spec.run_dir) / "worker_spec.json"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    with log_path.open("w") as log:
+        done = subprocess.run([sys.executable, __file__, "--worker", str(spec_path)], stdout=log,
+                              stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-30:])
+        raise RuntimeError(f"{spec.framework} on {spec.setting.slug} failed ({done.returncode}); log {log_path}:\n{tail}")
+    return json.loads((Path(spec.run_dir) / "result.json").read_text())
+
+
+def worker_main(spec_path: str) -> None:
+    data = json.loads(Path(spec_path).read_text())
+    spec = WorkerSpec(**(data | {"setting": Setting(**data["setting"])}))
+    result = run_worker(spec)
+    (Path(spec.run_dir) / "result.json").write_text(json.dumps(result))
+
+
+@dataclass
+class Figures:
+    """One run's summary figures (medians over steps 2..N)."""
+
+    step_s: float
+    generate_s: float
+    rest_s: float
+    tokens_per_step: float
+    tokens_per_s: float
+    flops_per_s: float
+    peak_rss_mib: float
+
+
+def figures(result: dict[str, Any], shape: ModelShape, beta: float) -> Figures:
+    timed = result["steps"][1:] or result["steps"]  # the first step is warm-up
+    step_s = statistics.median(s["step_s"] for s in timed)
+    generate_s = statistics.median(s["generate_s"] + s["reward_s"] for s in timed)
+    tokens = [sum(c for _, c in s["lengths"]) for s in timed]
+    return Figures(
+        step_s=step_s,
+        generate_s=generate_s,
+        rest_s=statistics.median(s["step_s"] - s["generate_s"] - s["reward_s"] for s in timed),
+        tokens_per_step=statistics.median(tokens),
+        tokens_per_s=statistics.median(t / s["step_s"] for t, s in zip(tokens, timed, strict=True)),
+        flops_per_s=statistics.median(shape.step_flops(s["lengths"], beta) / s["step_s"] for s in timed),
+        peak_rss_mib=result["peak_rss_mib"],
+    )
+
+
+def table(setting: Setting, runs: dict[str, list[Figures]], peak: float, accuracy: dict[str, dict[str, float]] | None
+          ) -> list[str]:
+    """The markdown table of one setting: median over repeats, ratio llmrl / TRL within each repeat."""
+
+    def median(framework: str, field: str) -> float:
+        return statistics.median(getattr(f, field) for f in runs[framework])
+
+    def ratio(field: str) -> float:
+        return statistics.median(getattr(ll, field) / getattr(tr, field)
+                                 for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True))
+
+    rows = [
+        ("seconds per step (median)", "step_s", "{:.3f}"),
+        ("  generation + reward", "generate_s", "{:.3f}"),
+        ("  rest: logprobs, loss, backward, optimizer, sync", "rest_s", "{:.3f}"),
+        ("completion tokens per step", "tokens_per_step", "{:.0f}"),
+        ("completion tokens / s", "tokens_per_s", "{:.0f}"),
+        ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
+        ("model GFLOP/s of the whole step", "flops_per_s", "{:.2f}"),
+    ]
+    lines = [f"### {setting.title}", "", "| | TRL | llmrl | llmrl / TRL |", "|---|---:|---:|---:|"]
+    for label, field, fmt in rows:
+        scale = 1e-9 if field == "flops_per_s" else 1.0
+        lines.append(f"| {label} | {fmt.format(median('trl', field) * scale)} | "
+                     f"{fmt.format(median('llmrl', field) * scale)} | {ratio(field):.2f} |")
+    lines.append(f"| fraction of the fp32 matmul peak ({peak / 1e9:.1f} GFLOP/s) | "
+                 f"{median('trl', 'flops_per_s') / peak:.2%} | {median('llmrl', 'flops_per_s') / peak:.2%} | "
+                 f"{ratio('flops_per_s'):.2f} |")
+    if accuracy is not None:
+        for metric, label in (("pass@1", "held-out sampled accuracy (pass@1)"), ("greedy_accuracy", "greedy accuracy")):
+            before = accuracy["before"][metric]
+            trl, llmrl = accuracy["trl"][metric], accuracy["llmrl"][metric]
+            lines.append(f"| {label}: before {before:.3f}, after {setting.steps} steps | {trl:.3f} | {llmrl:.3f} | "
+                         f"{llmrl / trl if trl else float('nan'):.2f} |")
+    speedup = 1 / ratio("step_s")
+    lines += ["", f"llmrl is {speedup:.2f}x as fast per step ({len(runs['trl'])} interleaved repeats)."]
+    return lines
+
+
+def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
+    for axis, (title, by_framework) in zip(axes[0], curves.items(), strict=True):
+        for framework, rewards in by_framework.items():
+            axis.plot(range(1, len(rewards) + 1), rewards, label="TRL" if framework == "trl" else "llmrl", alpha=0.85)
+        axis.set(title=title, xlabel="step", ylabel="mean training reward", ylim=(0, 1))
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="training steps of the natural workload")
+    parser.add_argument("--long-steps", type=int, default=6, help="training steps of the long workload")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every run")
+    parser.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04], help="KL weights to compare")
+    parser.add_argument("--workloads", nargs="+", choices=("natural", "long"), default=["natural", "long"])
+    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of both (the demo's, for this model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-prompts", type=int, default=256, help="held-out problems of the accuracy figures")
+    parser.add_argument("--out", default="runs/compare_trl", help="folder for prompts, runs, report and plot")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one framework from a spec file
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker)
+        return
+
+    from llmrl.models import tiny_model_path
+
+    began = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = str(tiny_model_path("arithmetic"))
+    settings = [Setting(w, b, args.steps if w == "natural" else args.long_steps) for w in args.workloads
+                for b in args.betas]
+    prompts_file = out / "prompts.jsonl"
+    write_prompts(prompts_file, max(s.steps for s in settings) * PROMPTS_PER_STEP, args.seed)
+    shape = ModelShape.of(model_dir)
+    peak = matmul_peak()
+    print(f"model {model_dir} ({shape.body + shape.head:,} weights), prompts {prompts_file}, "
+          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, {os.cpu_count()} CPUs", flush=True)
+
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        for index, setting in enumerate(settings):
+            order = FRAMEWORKS if (repeat + index) % 2 == 0 else FRAMEWORKS[::-1]
+            for framework in order:
+                run_dir = out / f"{setting.slug}-{framework}-r{repeat}"
+                spec = WorkerSpec(framework, setting, model_dir, str(prompts_file), str(run_dir), args.lr, args.seed)
+                result = launch(spec, out / f"{setting.slug}-{framework}-r{repeat}.log")
+                results.setdefault((setting.slug, framework), []).append(result)
+                step = figures(result, shape, setting.beta)
+                print(f"repeat {repeat + 1}/{args.repeats} {setting.slug:<18} {framework:<5} "
+                      f"{step.step_s:.3f} s/step (generation {step.generate_s:.3f}), {step.tokens_per_s:.0f} tok/s, "
+                      f"peak RSS {step.peak_rss_mib:.0f} MiB, wall {result['wall_s']:.0f} s", flush=True)
+                gc.collect()
+    peak = max(peak, matmul_peak())  # the machine's best of the run
+
+    accuracy: dict[str, dict[str, dict[str, float]]] = {}
+    if any(s.workload == "natural" for s in settings):
+        before = evaluate(model_dir, args.seed, args.eval_prompts)
+        for setting in (s for s in settings if s.workload == "natural"):
+            accuracy[setting.slug] = {"before": before} | {
+                framework: evaluate(results[(setting.slug, framework)][0]["model_dir"], args.seed, args.eval_prompts)
+                for framework in FRAMEWORKS
+            }
+
+    versions = {f: results[(settings[0].slug, f)][0]["version"] for f in FRAMEWORKS}
+    threads = {f: results[(settings[0].slug, f)][0]["threads"] for f in FRAMEWORKS}
+    command = "python bench/compare_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = [
+        f"`{command.strip()}`: TRL {versions['trl']}, llmrl {versions['llmrl']}, {os.cpu_count()} CPUs, torch "
+        f"threads {threads['trl']}/{threads['llmrl']} (TRL/llmrl), lr {args.lr:g}, {PROMPTS_PER_STEP} prompts x "
+        f"{GROUP_SIZE} completions per step, held-out accuracy on {args.eval_prompts} problems x 8 samples.",
+        "",
+    ]
+    for setting in settings:
+        runs = {f: [figures(r, shape, setting.beta) for r in results[(setting.slug, f)]] for f in FRAMEWORKS}
+        report += table(setting, runs, peak, accuracy.get(setting.slug)) + [""]
+    curves = {
+        f"natural, beta {s.beta:g}": {f: [step["reward"] for step in results[(s.slug, f)][0]["steps"]]
+                                      for f in FRAMEWORKS}
+        for s in settings if s.workload == "natural"
+    }
+    if curves:
+        plot_rewards(curves, out / "reward_curves.png")
+        report.append(f"Reward curves: `{out / 'reward_curves.png'}`.")
+    report.append(f"Total time {time.perf_counter() - began:.0f} s.")
+    text = "\n".join(report) + "\n"
+    (out / "report.md").write_text(text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
