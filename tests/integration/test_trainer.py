@@ -83,9 +83,11 @@ def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
-def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("lag", [0, 2])
+def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path, lag):
     argv = ["train", *[a for o in QUICK for a in ("--set", o)], "--set", "training.steps=6",
-            "--set", "checkpoint.every=1", "--set", "evaluation.every=3", "--set", "training.lr=1e-4"]
+            "--set", "checkpoint.every=1", "--set", "evaluation.every=3", "--set", "training.lr=1e-4",
+            "--set", f"training.generation_lag={lag}"]
     whole = llmrl(*argv, "--set", f"run_dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
 
@@ -103,6 +105,8 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
     resumed = llmrl(*argv, "--set", f"run_dir={killed_dir}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stdout
+    if lag:  # batches generated ahead on older weights are trained from the bank, not regenerated
+        assert "generated before the interruption" in resumed.stdout
     expected, actual = final_weights(tmp_path / "whole"), final_weights(killed_dir)
     assert expected.keys() == actual.keys()
     for name in expected:
@@ -113,6 +117,21 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
     assert [r.get("train/loss") for r in resumed_rows] == [r.get("train/loss") for r in whole_rows]
     assert json.loads((killed_dir / "summary.json").read_text())["eval_end"] == json.loads(
         (tmp_path / "whole" / "summary.json").read_text())["eval_end"]
+
+
+def test_generation_lag_is_deterministic_and_reports_staleness(tmp_path, tiny_model_path):
+    base = ["training.steps=4", "evaluation.at_start=false", "evaluation.at_end=false", "training.lr=1e-4"]
+    runs = []
+    for name, lag in (("a", 1), ("b", 1), ("c", 2)):
+        train(tmp_path / name, *base, f"training.generation_lag={lag}")
+        runs.append(read_metrics(tmp_path / name / "metrics.jsonl"))
+    lag1, again, lag2 = runs
+    assert [r["train/loss"] for r in lag1] == [r["train/loss"] for r in again]
+    assert [r["rollout/staleness_max"] for r in lag1] == [0, 1, 1, 1]  # batch t used the weights of step t-2
+    assert [r["rollout/staleness_max"] for r in lag2] == [0, 1, 2, 2]
+    assert all("train/is_weight_mean" in r for r in lag1)  # IS correction is on by default with a lag
+    banked = [json.loads(line)["record"]["step"] for line in (tmp_path / "a" / "rollout_bank.jsonl").open()]
+    assert banked == []  # the final checkpoint trained on everything that was generated
 
 
 def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
