@@ -103,9 +103,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = _load(args)
     trainer = Trainer(config, resume=args.resume)
-    if trainer.resumed:
+    if trainer.resumed and trainer.is_main:
         print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
     summary = trainer.run()
+    if not trainer.is_main:  # under torchrun, rank 0 reports
+        return 0
     console = Console(width=None if sys.stdout.isatty() else 120)
     for key, title in (("eval_start", "before training (step 0)"), ("eval_end", f"after {summary['steps']} steps")):
         if summary[key]:

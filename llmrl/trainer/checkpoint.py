@@ -5,6 +5,13 @@ Layout of ``RUN_DIR/checkpoints/step_000020/``::
     model/              the policy as a plain Hugging Face folder (safetensors, config, tokenizer)
     trainer_state.pt    step, optimizer, LR schedule, RNG states, agent sampler cursors, evaluations
     config.yaml         the resolved run config
+    sharded/            runs over several processes only: model and optimizer state written with
+                        `torch.distributed.checkpoint` (each rank its shards); the optimizer is
+                        here instead of in trainer_state.pt
+
+Any checkpoint resumes with any number of processes: ``sharded/`` is resharded on load (also into
+one process), and a one-process checkpoint's optimizer state is keyed by parameter name and
+sharded when a multi-process run loads it (`load_optimizer`).
 
 A checkpoint is written into a hidden ``.tmp-...`` folder and renamed into place, so a folder named
 ``step_*`` is always complete; leftovers of a killed write are removed on the next save. Only the
@@ -17,14 +24,24 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-"
 TRAINER_STATE = "trainer_state.pt"
+SHARDED_STATE = "sharded"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -61,16 +78,45 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write the checkpoint of `step` atomically, then delete all but the newest `keep_last`."""
+    temp = start_checkpoint(run_dir, step)
+    write_checkpoint_files(
+        temp, model=model, tokenizer=tokenizer, trainer_state=trainer_state, config_yaml=config_yaml
+    )
+    return finish_checkpoint(run_dir, step, temp, keep_last=keep_last)
+
+
+def start_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """The empty temporary folder to write the checkpoint of `step` into (leftovers of killed saves removed)."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{_TEMP_PREFIX}*"):  # a save killed half-way
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step_{step:06d}"
-    temp = root / f"{_TEMP_PREFIX}{final.name}-{os.getpid()}"
-    model.save_pretrained(temp / "model", safe_serialization=True)
+    temp = root / f"{_TEMP_PREFIX}step_{step:06d}-{os.getpid()}"
+    temp.mkdir()
+    return temp
+
+
+def write_checkpoint_files(
+    temp: Path,
+    *,
+    model: Any,
+    tokenizer: Any,
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    model_state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The model folder, trainer state and config; `model_state` (the full weights) replaces the
+    model's own state dict (a sharded model's)."""
+    model.save_pretrained(temp / "model", safe_serialization=True, state_dict=model_state)
     tokenizer.save_pretrained(temp / "model")
     torch.save(trainer_state, temp / TRAINER_STATE)
     (temp / "config.yaml").write_text(config_yaml)
+
+
+def finish_checkpoint(run_dir: str | Path, step: int, temp: Path, *, keep_last: int) -> Path:
+    """Move the written `temp` folder into place as the checkpoint of `step`; keep the newest `keep_last`."""
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{step:06d}"
     _fsync_tree(temp)
     if final.exists():  # re-saving a step after a resume: the new copy replaces the old one
         shutil.rmtree(final)
@@ -79,6 +125,61 @@ def save_checkpoint(
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Write the model's (and optimizer's) state with `torch.distributed.checkpoint` into ``folder/sharded``.
+
+    Collective: every rank calls it and writes its own shards."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=folder / SHARDED_STATE)
+
+
+def has_sharded_state(checkpoint: str | Path) -> bool:
+    return (Path(checkpoint) / SHARDED_STATE).is_dir()
+
+
+def load_optimizer(
+    checkpoint: str | Path,
+    trainer_state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    sharded_model: bool,
+) -> bool:
+    """Restore the optimizer (and, from ``sharded/``, the weights) of a checkpoint written by any
+    number of processes into this `model` (sharded or not). False when the checkpoint has none."""
+    if has_sharded_state(checkpoint):
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if trainer_state.get("sharded_optimizer"):
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # the layout to load into
+        with warnings.catch_warnings():  # one process loads without a process group, which DCP notes
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=Path(checkpoint) / SHARDED_STATE)
+        set_model_state_dict(model, state["model"])
+        if "optimizer" not in state:
+            return False
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        return True
+    if "optimizer" not in trainer_state:
+        return False
+    if not sharded_model:
+        optimizer.load_state_dict(trainer_state["optimizer"])
+        return True
+    # A one-process checkpoint: its state is keyed by position in the parameter list; the sharded
+    # model has the same parameters in the same order, so name them and let each rank take its shards.
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    saved = trainer_state["optimizer"]
+    by_name = {
+        "state": {names[index]: value for index, value in saved["state"].items()},
+        "param_groups": [
+            group | {"params": [names[i] for i in group["params"]]} for group in saved["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    return True
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:

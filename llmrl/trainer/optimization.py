@@ -16,6 +16,12 @@ When the loss has no KL or entropy term, a rollout with advantage exactly 0 cont
 its share of the denominator, so it skips the forward and backward passes (whole GRPO groups with
 equal rewards are common); the loss and gradient are unchanged. A mini-batch with nothing left to
 train skips its optimizer step (there is no signal to step on).
+
+Over several processes (`llmrl.trainer.distributed`) every rank holds the whole batch and computes
+the same denominators and mini-batches; each packs and trains on its token-balanced share of each
+mini-batch, runs zero-weight passes where it has fewer micro-batches than another rank (FSDP's
+collectives need the same number of passes everywhere), and the gradients are summed across
+ranks. The old/reference logprobs are computed the same way, shared out and gathered back.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.losses import policy_loss
 from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, unpack
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.logging import trace_span
+from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.trainer.rollouts import RolloutBatch
 
 
@@ -71,8 +79,10 @@ class PolicyUpdate:
         max_tokens: int,
         pad_token_id: int,
         reference: torch.nn.Module | None = None,
+        distributed: Distributed | None = None,
     ):
         self.policy = policy
+        self.distributed = distributed
         self.optimizer = optimizer
         self.algorithm = algorithm
         self.training = training
@@ -85,6 +95,8 @@ class PolicyUpdate:
         automatic = "truncate" if training.generation_lag > 0 else None
         self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
         self.device = next(policy.parameters()).device
+        self._policy_forward = policy if distributed is None else ShardedCausalLM(policy)
+        self._reference_forward = reference if distributed is None or reference is None else ShardedCausalLM(reference)
 
     def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
         """Train on `batch`; returns the metrics (token-weighted means over the step)."""
@@ -96,8 +108,9 @@ class PolicyUpdate:
         is_forwarded = set(forwarded)
         separate_old = self.training.iterations > 1 or self.training.mini_batches > 1
         with trace_span("logprobs", old=separate_old, reference=self.reference is not None):
-            old = self._sequence_logprobs(self.policy, sequences, masks, forwarded) if separate_old else None
-            ref = self._sequence_logprobs(self.reference, sequences, masks, forwarded) if self.reference else None
+            old = self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded) if separate_old else None
+            ref = (self._sequence_logprobs(self._reference_forward, sequences, masks, forwarded)
+                   if self.reference else None)
         inference = batch.inference_logprobs
         advantages = batch.advantages.to(self.device)
         totals = _MetricTotals()
@@ -109,13 +122,18 @@ class PolicyUpdate:
                     totals.add_skipped()
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                for packed in self._micro_batches(sequences, masks, chosen):
+                for packed in self._rank_micro_batches(sequences, masks, chosen):
+                    if packed is None:
+                        self._idle_pass(self._policy_forward, sequences, masks, chosen[0], backward=True)
+                        continue
                     loss, metrics = self._loss(packed, advantages, normalizer, old, ref, inference)
                     loss.backward()
                     totals.add_micro_batch(metrics)
                 grad_norm = self._clip_gradients()
                 self.optimizer.step()
                 totals.add_optimizer_step(grad_norm)
+        if self.distributed is not None:
+            totals = _MetricTotals.combine(self.distributed.all_gather_object(totals))
         return totals.result()
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -162,20 +180,54 @@ class PolicyUpdate:
         rows = [[indices[j] for j in row] for row in rows]
         return build_batch(sequences, rows, masks, self.pad_token_id).to(self.device)
 
+    def _rank_micro_batches(
+        self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int]
+    ) -> Iterator[PackedBatch | None]:
+        """This rank's micro-batches of the sequences at `indices`, then None for each pass it must
+        run idle to match the rank with the most (all of them on one process)."""
+        if self.distributed is None:
+            yield from self._micro_batches(sequences, masks, indices)
+            return
+        shares = split_by_tokens([len(sequences[i]) for i in indices], self.distributed.world_size)
+        mine = [indices[p] for p in shares[self.distributed.rank]]
+        batches = list(self._micro_batches(sequences, masks, mine)) if mine else []
+        passes = self.distributed.max_count(len(batches))  # before any pass: a collective itself
+        yield from batches
+        yield from [None] * (passes - len(batches))
+
+    def _idle_pass(
+        self, model: torch.nn.Module | ShardedCausalLM, sequences: list[list[int]], masks: list[list[bool]], index: int,
+        *, backward: bool,
+    ) -> None:
+        """A forward (and backward) pass that changes nothing, for FSDP's collectives to match up."""
+        packed = self._build(sequences, masks, [index], [[0]])
+        with torch.set_grad_enabled(backward):
+            logprobs, _ = token_logprobs(model, packed, self.temperature)
+            if backward:
+                (logprobs.sum() * 0.0).backward()
+
     @torch.no_grad()
     def _sequence_logprobs(
         self,
-        model: torch.nn.Module | None,
+        model: torch.nn.Module | ShardedCausalLM | None,
         sequences: list[list[int]],
         masks: list[list[bool]],
         indices: Sequence[int],
     ) -> list[torch.Tensor | None]:
         """Per-token logprobs of the sequences at `indices` under `model` (None for the others)."""
         values: list[torch.Tensor | None] = [None] * len(sequences)
-        for packed in self._micro_batches(sequences, masks, indices):
+        for packed in self._rank_micro_batches(sequences, masks, indices):
+            if packed is None:
+                self._idle_pass(model, sequences, masks, indices[0], backward=False)
+                continue
             logprobs, _ = token_logprobs(model, packed, self.temperature)
             for i, per_token in unpack(logprobs, packed).items():
                 values[i] = per_token.cpu()
+        if self.distributed is not None:  # every rank trains on other shares in later passes
+            for shared in self.distributed.all_gather_object(values):
+                for i, per_token in enumerate(shared):
+                    if per_token is not None:
+                        values[i] = per_token
         return values
 
     def _loss(
@@ -188,7 +240,7 @@ class PolicyUpdate:
         inference: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.algorithm
-        logprobs, entropies = token_logprobs(self.policy, packed, self.temperature, with_entropy=True)
+        logprobs, entropies = token_logprobs(self._policy_forward, packed, self.temperature, with_entropy=True)
         if algorithm.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
         return policy_loss(
@@ -217,7 +269,8 @@ class PolicyUpdate:
     def _clip_gradients(self) -> float:
         parameters = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.training.max_grad_norm if self.training.max_grad_norm is not None else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: the global norm
 
 
 class _MetricTotals:
@@ -262,6 +315,22 @@ class _MetricTotals:
 
     def add_skipped(self) -> None:
         self._skipped += 1
+
+    @classmethod
+    def combine(cls, parts: list[_MetricTotals]) -> _MetricTotals:
+        """The totals of one step trained in shares (one per rank, same optimizer steps) as one."""
+        combined = cls()
+        for part in parts:
+            combined._tokens += part._tokens
+            for target, source in ((combined._weighted, part._weighted), (combined._sums, part._sums),
+                                   (combined._counts, part._counts)):
+                for key, value in source.items():
+                    target[key] = target.get(key, 0.0) + value
+            for key, value in part._maxima.items():
+                combined._maxima[key] = max(combined._maxima.get(key, -math.inf), value)
+        combined._grad_norms = list(parts[0]._grad_norms)  # global norms: the same on every rank
+        combined._skipped = parts[0]._skipped
+        return combined
 
     def result(self) -> dict[str, float]:
         steps = len(self._grad_norms)

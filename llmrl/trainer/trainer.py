@@ -12,6 +12,10 @@ with evaluation at the start, every `evaluation.every` steps and at the end, and
 config is resumed from it; see `llmrl.trainer.checkpoint` for what is saved. Resumed runs end with
 the same weights as uninterrupted ones: every random choice is derived from `config.seed` and the
 step (generation seeds per request, mini-batch order), and the rest of the state is checkpointed.
+
+Under ``torchrun`` (more than one process) the policy is sharded over the processes
+(`llmrl.trainer.distributed`): rank 0 alone generates, evaluates and writes the run folder, and
+broadcasts each step's rollouts; every rank trains on its share of the batch.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.bank import BANK_FILE, RolloutBank
+from llmrl.trainer.distributed import Distributed, tied_duplicates
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
@@ -71,16 +76,27 @@ class Trainer:
         self.progress_stream = progress_stream
         import_plugins(config.plugins)
         transformers.utils.logging.disable_progress_bar()  # per-load and per-save bars would drown ours
+        device = _device(config.training.device)
+        self.distributed = Distributed.from_env(device)  # None in one process
+        self.is_main = self.distributed is None or self.distributed.is_main
+        try:
+            self._build(config, device, resume)
+        except BaseException:
+            if self.distributed is not None:  # leave the process group before the interpreter exits
+                self.distributed.close(wait=False)
+            raise
+
+    def _build(self, config: RunConfig, device: str, resume: bool) -> None:
         self.agents = build_agents(
             config.environments, config.seed,
             dynamic_sampling=config.algorithm.dynamic_sampling,
             max_resample_rounds=config.algorithm.max_resample_rounds,
-        )  # fmt: skip
-        self.agents.check_problems()  # a missing dataset column fails here, before models load
+        ) if self.is_main else None  # fmt: skip
+        if self.agents is not None:
+            self.agents.check_problems()  # a missing dataset column fails here, before models load
         checkpoint = _checkpoint_to_resume(config, resume)
         torch.manual_seed(config.seed)
 
-        device = _device(config.training.device)
         self.policy, self.tokenizer = load_model(
             str(checkpoint[1] / "model") if checkpoint else config.model.spec,
             dtype=config.model.dtype, device=device, attn_implementation=config.model.attn_implementation,
@@ -93,6 +109,12 @@ class Trainer:
                                       attn_implementation=config.model.attn_implementation,
                                       trust_remote_code=config.model.trust_remote_code)
             reference.eval().requires_grad_(False)
+        self._tied_names: set[str] = set()
+        if self.distributed is not None:
+            self._tied_names = tied_duplicates(self.policy)
+            self.distributed.shard(self.policy)
+            if reference is not None:
+                self.distributed.shard(reference)
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
         self.generation_args = generation if generation.seed is not None else generation.merge(
@@ -101,9 +123,9 @@ class Trainer:
         self.update = PolicyUpdate(
             self.policy, self.optimizer, algorithm=config.algorithm, training=config.training,
             temperature=generation.temperature, max_tokens=generation.max_tokens,
-            pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference,
+            pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference, distributed=self.distributed,
         )  # fmt: skip
-        self.inference = build_inference(config.inference, config.model, seed=config.seed)
+        self.inference = build_inference(config.inference, config.model, seed=config.seed) if self.is_main else None
 
         self.pipeline: RolloutPipeline | None = None
         self.step = 0
@@ -111,11 +133,11 @@ class Trainer:
         self.evaluations: dict[int, Summary] = {}
         if checkpoint:
             self._restore(checkpoint[1])
-        else:
+        elif self.is_main:
             _clear_outputs(self.run_dir)
         # The inference side may hold other weights (a server kept from an earlier run, or ahead of
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
-        self.inference.update_weights(self.policy.state_dict(), version=self.step, reset=True)
+        self._sync_weights(self.step, reset=True)
         self.resumed = checkpoint is not None
 
     # -- the loop --------------------------------------------------------------------------------
@@ -124,18 +146,24 @@ class Trainer:
         """Train to `training.steps`; returns the summary also written to ``summary.json``."""
         config, steps = self.config, self.config.training.steps
         with ExitStack() as stack:
+            if self.distributed is not None:  # leaves the process group last, whatever happens
+                stack.push(self._leave_process_group)
             if config.training.deterministic:
                 stack.enter_context(_deterministic_algorithms())
             self._open_outputs(stack)
             if self.step == 0 and config.evaluation.at_start and 0 not in self.evaluations:
                 self._log(0, self._evaluate(0))
-            display = stack.enter_context(ProgressDisplay(steps, start_step=min(self.step, steps),
-                                                          mode=config.logging.progress, stream=self.progress_stream))
-            stop_requested = stack.enter_context(_stop_after_step_on_interrupt(display))
-            self.pipeline = stack.enter_context(contextlib.closing(self._pipeline()))
-            banked = self.pipeline.start(self.step)
-            if banked:
-                display.message(f"training first on {banked} batch(es) generated before the interruption")
+            display = stack.enter_context(ProgressDisplay(
+                steps, start_step=min(self.step, steps), mode=config.logging.progress if self.is_main else "off",
+                stream=self.progress_stream))  # fmt: skip
+            # Under torchrun every Ctrl-C reaches a worker twice (from the terminal, then forwarded by torchrun).
+            stop_requested = self._agreed(stack.enter_context(
+                _stop_after_step_on_interrupt(display, second_stops_at_once=self.distributed is None)))
+            if self.is_main:
+                self.pipeline = stack.enter_context(contextlib.closing(self._pipeline()))
+                banked = self.pipeline.start(self.step)
+                if banked:
+                    display.message(f"training first on {banked} batch(es) generated before the interruption")
             while self.step < steps:
                 metrics = self._train_step(self.step + 1)
                 self.step += 1
@@ -144,16 +172,31 @@ class Trainer:
                     display.message(_evaluation_line(self.step, self.evaluations[self.step]))
                 self._log(self.step, metrics)
                 display.update(self.step, metrics)
-                if self._due(config.checkpoint.every) or self.step == steps or stop_requested():
+                stop = stop_requested()
+                if self._due(config.checkpoint.every) or self.step == steps or stop:
                     self._save()
-                if stop_requested():
+                if stop:
                     display.message(f"stopped after step {self.step}; running the same command again resumes")
                     raise KeyboardInterrupt
-                self.pipeline.submit_ahead(self.step)  # the batches these weights are to generate
+                if self.pipeline is not None:
+                    self.pipeline.submit_ahead(self.step)  # the batches these weights are to generate
             if config.evaluation.at_end and self.step not in self.evaluations:  # e.g. steps: 0
                 self._log(self.step, self._evaluate(self.step))
                 self._save()
             return self._finish()
+
+    def _leave_process_group(self, error_type: type[BaseException] | None, *_: Any) -> None:
+        # After an error the other ranks may never get to a barrier: only a clean finish waits for them.
+        assert self.distributed is not None
+        self.distributed.close(wait=error_type is None)
+
+    def _agreed(self, requested: Callable[[], bool]) -> Callable[[], bool]:
+        """Over several processes, a stop asked for on any rank (each sees its own Ctrl-C) is agreed
+        on by all at the same step, so that they save and stop together."""
+        if self.distributed is None:
+            return requested
+        distributed = self.distributed
+        return lambda: distributed.any(requested())
 
     def _pipeline(self) -> RolloutPipeline:
         training = self.config.training
@@ -170,7 +213,9 @@ class Trainer:
     def _train_step(self, step: int) -> dict[str, float]:
         training, started = self.config.training, time.perf_counter()
         with self.tracer.span("rollouts", step=step):  # waiting for generation + reward
-            groups = self.pipeline.get(step)
+            groups = self.pipeline.get(step) if self.pipeline is not None else None
+            if self.distributed is not None:
+                groups = self.distributed.broadcast_object(groups)
         batch, advantages = prepare_batch(groups, group_size=training.group_size, algorithm=self.config.algorithm,
                                           max_tokens=self.generation_args.max_tokens)
         with self.tracer.span("train", step=step, sequences=len(batch)):  # logprobs, loss, optimizer
@@ -178,10 +223,13 @@ class Trainer:
             update = self.update(batch, torch.Generator().manual_seed(derive_seed(self.config.seed, "order", step)))
             self.scheduler.step()
         with self.tracer.span("sync", step=step):
-            self.pipeline.wait_ahead()  # batches generating now must finish on the weights they started with
-            self.inference.update_weights(self.policy.state_dict(), version=step)
+            if self.pipeline is not None:  # batches generating now must finish on the weights they started with
+                self.pipeline.wait_ahead()
+            self._sync_weights(step)
         step_seconds = time.perf_counter() - started
         self.seconds += step_seconds
+        if not self.is_main:
+            return {}
         self._log_rollouts(step, groups, advantages)
         generated = sum(r.num_generated for g in groups for r in g.rollouts if r.is_valid)
         metrics = rollout_metrics(groups, advantages, correct_threshold=self.config.evaluation.correct_threshold)
@@ -191,9 +239,21 @@ class Trainer:
         metrics |= {f"agents/{key}": value for key, value in self.agents.pop_metrics().items()}
         return metrics | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
 
+    def _sync_weights(self, version: int, *, reset: bool = False) -> None:
+        """Serve the policy's weights as `version` (over several processes, gathered for rank 0's engine)."""
+        if self.distributed is None:
+            self.inference.update_weights(self.policy.state_dict(), version=version, reset=reset)
+            return
+        weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
+        if self.is_main:
+            self.inference.update_weights(weights, version=version, reset=reset)
+
     # -- evaluation, logging, checkpoints --------------------------------------------------------
 
     def _evaluate(self, step: int) -> dict[str, float]:
+        if not self.is_main:  # rank 0 evaluates; the others wait for its next broadcast
+            self.evaluations[step] = {}
+            return {}
         with self.tracer.span("evaluate", step=step):
             # The same seed at every evaluation: differences between steps come from the weights.
             args = self.generation_args.merge(GenerationArgs(
@@ -204,6 +264,8 @@ class Trainer:
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Write one step's line, with the seconds spent in each traced phase since the last line."""
+        if not self.is_main:
+            return
         phases = self.tracer.durations(reset=True)
         self.metrics_logger.log(step, metrics | {f"time/{name}_s": seconds for name, seconds in phases.items()})
 
@@ -225,32 +287,60 @@ class Trainer:
             "agents": self.pipeline.agent_state(self.step) if self.pipeline else self.agents.state_dict(),
             "rng": ckpt.rng_state(),
         }
-        if self.config.checkpoint.save_optimizer:
+        if self.config.checkpoint.save_optimizer and self.distributed is None:
             state |= {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        elif self.config.checkpoint.save_optimizer:  # the optimizer goes to the sharded state
+            state |= {"sharded_optimizer": True, "scheduler": self.scheduler.state_dict()}
         return state
 
     def _save(self) -> None:
         with self.tracer.span("checkpoint", step=self.step):
-            ckpt.save_checkpoint(
-                self.run_dir, self.step, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
-                config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
+            if self.distributed is None:
+                ckpt.save_checkpoint(
+                    self.run_dir, self.step, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
+                    config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
+                )  # fmt: skip
+            else:
+                self._save_sharded()
+        if self.is_main:
+            self.tracer.save()  # rewrites the whole file: at checkpoints, not every step
+            RolloutBank(self.run_dir).compact(self.step)
+
+    def _save_sharded(self) -> None:
+        """The checkpoint of a multi-process run: every rank writes its shards of the model and
+        optimizer; rank 0 writes the Hugging Face folder (gathered weights), the rest, and renames."""
+        distributed = self.distributed
+        assert distributed is not None
+        weights = distributed.full_state_dict(self.policy)
+        temp = distributed.broadcast_object(ckpt.start_checkpoint(self.run_dir, self.step) if self.is_main else None)
+        ckpt.save_sharded(temp, self.policy, self.optimizer if self.config.checkpoint.save_optimizer else None)
+        if self.is_main:
+            ckpt.write_checkpoint_files(
+                temp, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
+                config_yaml=dump_config(self.config),
+                model_state={name: value for name, value in weights.items() if name not in self._tied_names},
             )  # fmt: skip
-        self.tracer.save()  # rewrites the whole file: at checkpoints, not every step
-        RolloutBank(self.run_dir).compact(self.step)
+            ckpt.finish_checkpoint(self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last)
+        distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_trainer_state(folder)
         self.step, self.seconds, self.evaluations = state["step"], state["seconds"], state["evaluations"]
-        self.agents.load_state_dict(state["agents"])
+        if self.agents is not None:
+            self.agents.load_state_dict(state["agents"])
         ckpt.set_rng_state(state["rng"])
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        sharded = self.distributed is not None
+        if ckpt.load_optimizer(folder, state, self.policy, self.optimizer, sharded_model=sharded):
             self.scheduler.load_state_dict(state["scheduler"])
         else:  # the schedule still follows the step; Adam's moments start over
             self.scheduler.last_epoch = self.step
             self.scheduler.step(self.step)
 
     def _open_outputs(self, stack: ExitStack) -> None:
+        if not self.is_main:  # the other ranks only keep their phase times
+            self.tracer = Tracer(self.run_dir / "trace.json", enabled=False)
+            stack.enter_context(use_tracer(self.tracer))
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.config))
         resume_step = self.step if self.resumed else None
@@ -272,6 +362,8 @@ class Trainer:
             "steps": self.step,
             "seconds": round(self.seconds, 3),
         }
+        if not self.is_main:
+            return summary
         (self.run_dir / "summary.json").write_text(_json(summary))
         plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png",
                     title=f"{self.config.model.spec} on {', '.join(e.name for e in self.config.environments)}")
@@ -282,8 +374,11 @@ class Trainer:
 
 
 @contextlib.contextmanager
-def _stop_after_step_on_interrupt(display: ProgressDisplay) -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C into "finish this step, save, stop"; a second one stops at once.
+def _stop_after_step_on_interrupt(
+    display: ProgressDisplay, *, second_stops_at_once: bool = True
+) -> Iterator[Callable[[], bool]]:
+    """Turn the first Ctrl-C into "finish this step, save, stop"; a second one stops at once (unless
+    `second_stops_at_once` is False: then torchrun's kill after its grace period is the hard stop).
 
     Yields the function that says whether a stop was asked for. Off the main thread (where Python
     delivers signals) Ctrl-C keeps its usual effect.
@@ -295,9 +390,12 @@ def _stop_after_step_on_interrupt(display: ProgressDisplay) -> Iterator[Callable
 
     def on_interrupt(signum: int, frame: Any) -> None:
         if requested.is_set():
-            raise KeyboardInterrupt
+            if second_stops_at_once:
+                raise KeyboardInterrupt
+            return
         requested.set()
-        display.message("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again stops at once)")
+        again = " (Ctrl-C again stops at once)" if second_stops_at_once else ""
+        display.message(f"Ctrl-C: stopping after this step and saving a checkpoint{again}")
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:

@@ -1,4 +1,5 @@
-"""Trainer pieces on their own: batch preparation, the policy update, LR schedules, checkpoints."""
+"""Trainer pieces on their own: batch preparation, the policy update, LR schedules, checkpoints,
+and the pure helpers of distributed training."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from llmrl.agents.base import placeholder_rollout
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, lr_factor
+from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
+from llmrl.trainer.optimization import PolicyUpdate, _MetricTotals, build_optimizer, lr_factor
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
 from llmrl.types import RolloutGroup, TokenRollout
 
@@ -279,3 +281,70 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path):
     state = restored.state_dict()["state"][0]
     assert torch.equal(state["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert not math.isnan(float(state["step"]))
+
+
+def test_sharded_state_resumes_in_one_process(tmp_path):
+    """What a multi-process run writes with torch.distributed.checkpoint loads without a process group."""
+    policy = tiny_policy()
+    optimizer, _ = build_optimizer(policy, TrainingConfig(lr=1e-3))
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    ckpt.save_sharded(tmp_path, policy, optimizer)
+    assert ckpt.has_sharded_state(tmp_path)
+    restored = tiny_policy(seed=1)
+    restored_optimizer, _ = build_optimizer(restored, TrainingConfig(lr=1e-3))
+    assert ckpt.load_optimizer(tmp_path, {"sharded_optimizer": True}, restored, restored_optimizer, sharded_model=False)
+    assert_same_weights(restored, policy, atol=0)
+    expected, actual = optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"]
+    assert torch.equal(actual[0]["exp_avg"], expected[0]["exp_avg"]) and float(actual[0]["step"]) == 1.0
+
+
+def test_load_optimizer_reports_a_checkpoint_without_one(tmp_path):
+    policy = tiny_policy()
+    optimizer, _ = build_optimizer(policy, TrainingConfig(lr=1e-3))
+    assert not ckpt.load_optimizer(tmp_path, {}, policy, optimizer, sharded_model=False)
+
+
+# -- distributed helpers -------------------------------------------------------------------------
+
+
+def test_split_by_tokens_balances_and_keeps_every_position_once():
+    lengths = [50, 10, 10, 10, 10, 10, 40, 5]
+    shares = split_by_tokens(lengths, 2)
+    assert sorted(p for share in shares for p in share) == list(range(len(lengths)))
+    assert all(share == sorted(share) for share in shares)
+    totals = [sum(lengths[p] for p in share) for share in shares]
+    assert max(totals) - min(totals) <= max(lengths)
+    assert totals == [75, 70]
+    assert split_by_tokens(lengths, 2) == shares  # deterministic: every rank computes the same split
+    assert split_by_tokens([7], 3) == [[0], [], []]
+    assert split_by_tokens([], 2) == [[], []]
+
+
+def test_metric_totals_of_shares_combine_into_the_totals_of_the_whole():
+    micro_batches = [
+        {"loss": 0.5, "pg_loss": 0.4, "entropy": 1.0, "is_weight_max": 1.5, "num_tokens": 10.0, "num_sequences": 2.0},
+        {"loss": -0.25, "pg_loss": -0.2, "entropy": 3.0, "is_weight_max": 2.0, "num_tokens": 30.0, "num_sequences": 3.0},
+        {"loss": 0.125, "pg_loss": 0.1, "entropy": 2.0, "is_weight_max": 1.0, "num_tokens": 20.0, "num_sequences": 1.0},
+    ]
+    whole = _MetricTotals()
+    shares = [_MetricTotals(), _MetricTotals()]
+    for step in range(2):  # two optimizer steps; the micro-batches split between two ranks
+        for k, metrics in enumerate(micro_batches):
+            whole.add_micro_batch(metrics)
+            shares[k % 2].add_micro_batch(metrics)
+        for totals in (whole, *shares):
+            totals.add_optimizer_step(grad_norm=1.0 + step)
+    combined = _MetricTotals.combine(shares).result()
+    expected = whole.result()
+    assert combined.keys() == expected.keys()
+    for key, value in expected.items():
+        assert combined[key] == pytest.approx(value, rel=1e-12), key
+    assert combined["loss"] == pytest.approx(0.375) and combined["grad_norm"] == pytest.approx(1.5)
+
+
+def test_tied_duplicates_names_the_aliases_of_tied_embeddings():
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    assert tied_duplicates(Qwen2ForCausalLM(config)) == {"lm_head.weight"}
+    assert tied_duplicates(tiny_policy()) == set()

@@ -1,0 +1,171 @@
+"""Training over several processes: ``torchrun --nproc-per-node N -m llmrl train CONFIG``.
+
+The policy is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`, each decoder layer and then
+the root) over a one-dimensional device mesh: gloo on CPU, NCCL on GPUs (one per process, by
+``LOCAL_RANK``). Rank 0 alone owns the agents, the inference engine, the rollout pipeline and bank,
+evaluation and every run-folder output; each step it broadcasts the step's rollout groups. Every
+rank then computes the same `RolloutBatch` and loss denominators from the whole batch and trains on
+its token-balanced share of each mini-batch (`split_by_tokens`). The losses are already divided by
+the global denominator, so gradients are summed across ranks (gradient divide factor 1), and a run
+computes the same update as one process, up to the order of floating-point additions.
+
+FSDP2 runs collectives inside every forward and backward pass, so every rank must run the same
+number of them: a rank with fewer micro-batches than the others runs zero-weight passes
+(`PolicyUpdate` asks `max_count` how many).
+
+Teardown, in this order and before the interpreter exits: the rollout worker thread is joined
+(the pipeline closes first), then `close` waits for every rank at a barrier and destroys the
+process group. An abort at exit ("terminate called without an active exception") is what C++ does
+when a thread that is still running or joinable is torn down: a process group left to be destroyed
+at interpreter shutdown, while its peers are gone, or a daemon thread killed inside a torch kernel
+(why the inference engine's thread is not a daemon). After an error a rank leaves without the
+barrier, which its peers may never reach; torchrun then ends them.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+
+def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Deal positions 0..len(lengths)-1 into `parts` lists of about equal total length.
+
+    Longest first, each to the part with the fewest tokens so far (the lowest part on a tie); every
+    part keeps its positions in ascending order. Deterministic, so every rank computes the same split.
+    """
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for position in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        part = min(range(parts), key=lambda p: (totals[p], p))
+        shares[part].append(position)
+        totals[part] += lengths[position]
+    return [sorted(share) for share in shares]
+
+
+def _run_backbone(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return model.base_model(*args, **kwargs)
+
+
+class ShardedCausalLM:
+    """A sharded causal LM as `llmrl.algorithms.logprobs.token_logprobs` uses it.
+
+    Its `base_model` runs the backbone inside the root module's FSDP hooks, which gather the root's
+    own parameters (embeddings, final norm, the LM head) and keep them gathered after the forward,
+    so the LM head that `token_logprobs` applies next is whole; their gradients are reduced at the
+    end of the backward pass.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = getattr(model, "config", None)
+        self.base_model = model.sharded_backbone
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+
+def tied_duplicates(model: torch.nn.Module) -> set[str]:
+    """State-dict names that alias an earlier entry's tensor (tied embeddings): a Hugging Face folder
+    stores each tensor once. Call it before sharding, while aliases share storage."""
+    seen: set[tuple[int, int]] = set()
+    duplicates = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            duplicates.add(name)
+        seen.add(key)
+    return duplicates
+
+
+class Distributed:
+    """This process's place in a multi-process run, and the collectives the trainer needs."""
+
+    def __init__(self, rank: int, world_size: int, device: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.mesh = init_device_mesh(device, (world_size,))
+
+    @classmethod
+    def from_env(cls, device: str) -> Distributed | None:
+        """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ...); None for one process.
+
+        `device` is "cpu" (gloo) or "cuda" (NCCL, the GPU of ``LOCAL_RANK``).
+        """
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return None
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard `model` in place with FSDP2: each block its class names as unsplittable, then the root.
+
+        Gradients are summed across ranks, not averaged: the loss is normalised globally already.
+        """
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        # `token_logprobs` runs the backbone and applies the LM head itself, never the root's forward;
+        # the backbone is run through a method that FSDP treats as the root's forward instead.
+        model.sharded_backbone = types.MethodType(_run_backbone, model)
+        register_fsdp_forward_method(model, "sharded_backbone")
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                # gloo has no pre-multiplied sum; a plain sum (divided by 1) is what we want anyway.
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded weights on CPU on rank 0 ({} elsewhere); every rank must call it."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (picklable objects; pydantic models included)."""
+        holder = [obj if self.is_main else None]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def max_count(self, count: int) -> int:
+        """The largest `count` over the ranks."""
+        value = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank."""
+        return self.max_count(int(flag)) > 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self, *, wait: bool = True) -> None:
+        """Leave the process group (see the module docstring); with `wait`, once every rank is done."""
+        if dist.is_initialized():
+            if wait:
+                dist.barrier()
+            dist.destroy_process_group()

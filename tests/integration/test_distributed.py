@@ -1,0 +1,138 @@
+"""`torchrun --nproc-per-node 2 -m llmrl train` on CPU (gloo, FSDP2) against the same run in one process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmrl.logging import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+SETTINGS = [
+    f"training.steps={STEPS}", "training.prompts_per_step=8", "training.lr=1e-4", "checkpoint.every=2",
+    "checkpoint.keep_last=3", "evaluation.at_start=false", "evaluation.every=0", "evaluation.num_prompts=8",
+    "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]", "logging.progress=plain", "logging.tensorboard=false",
+]  # fmt: skip
+
+
+def train(run_dir: Path, processes: int, *overrides: str) -> subprocess.CompletedProcess:
+    """`llmrl train` of the test config (plus `overrides`) in `processes` processes (torchrun when more than one)."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        if processes > 1
+        else []
+    )
+    argv = [sys.executable, *launcher, "-m", "llmrl", "train", *[a for s in SETTINGS for a in ("--set", s)],
+            "--set", f"run_dir={run_dir}", *[a for s in overrides for a in ("--set", s)]]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=run_dir.parent, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "terminate called" not in output and "Traceback" not in output, output[-4000:]
+    return result
+
+
+def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors")
+
+
+def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [row["train/loss"] for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_path) -> dict[int, Path]:
+    """The same run in one process and in two: processes -> run folder."""
+    root = tmp_path_factory.mktemp("distributed")
+    folders = {1: root / "one", 2: root / "two"}
+    for processes, folder in folders.items():
+        train(folder, processes)
+    return folders
+
+
+def test_two_processes_train_like_one(runs):
+    one, two = losses(runs[1]), losses(runs[2])
+    assert len(one) == len(two) == STEPS
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-7)
+    assert abs(one[0]) > 1e-3  # a real loss, not only the zeros of groups without signal
+    rows = read_metrics(runs[2] / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # rank 0 alone writes the run folder
+    assert_close_weights(weights(runs[2]), weights(runs[1]))
+    checkpoint = runs[2] / "checkpoints" / f"step_{STEPS:06d}"
+    assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert not list((runs[2] / "checkpoints").glob(".tmp-*"))
+
+
+def test_the_exported_folder_loads_with_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    folder = runs[2] / "checkpoints" / f"step_{STEPS:06d}" / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    expected = weights(runs[1])
+    loaded = model.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_mini_batches_with_old_policy_logprobs_match_one_process(tmp_path, tiny_model_path):
+    """Two optimizer steps per RL step: the pi_old pass is shared out over the ranks and gathered back."""
+    settings = ["training.steps=2", "training.mini_batches=2", "checkpoint.every=0"]
+    for processes in (1, 2):
+        train(tmp_path / str(processes), processes, *settings)
+    one, two = read_metrics(tmp_path / "1" / "metrics.jsonl"), read_metrics(tmp_path / "2" / "metrics.jsonl")
+    for key in ("train/loss", "train/approx_kl", "train/grad_norm", "train/optimizer_steps"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-7), key
+    assert one[0]["train/optimizer_steps"] == 2
+
+
+@pytest.mark.parametrize(("written_by", "resumed_by"), [(2, 1), (1, 2)])
+def test_resume_with_another_number_of_processes(runs, tmp_path, written_by, resumed_by):
+    """A run that stopped after its step-2 checkpoint ends like the uninterrupted one."""
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(runs[written_by], interrupted)
+    shutil.rmtree(interrupted / "checkpoints" / f"step_{STEPS:06d}")
+    result = train(interrupted, resumed_by)
+    assert "resuming" in result.stdout and "from its checkpoint at step 2" in result.stdout
+    assert_close_weights(weights(interrupted), weights(runs[written_by]))
+    assert losses(interrupted) == pytest.approx(losses(runs[written_by]), rel=1e-5, abs=1e-7)
+
+
+def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_path):
+    """Ctrl-C in a terminal signals torchrun and every worker (one process group); torchrun forwards it."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "llmrl",
+            "train", *[a for s in SETTINGS for a in ("--set", s)], "--set", "training.steps=1000",
+            "--set", "checkpoint.every=0", "--set", f"run_dir={run}"]  # fmt: skip
+    process = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 2:
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert "terminate called" not in output, output[-4000:]
+    saved = [int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")]
+    assert len(saved) == 1 and saved[0] >= 2, output[-4000:]
+    assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]
+    assert (run / "checkpoints" / f"step_{saved[0]:06d}" / "sharded").is_dir()
+    assert not list((run / "checkpoints").glob(".tmp-*"))
