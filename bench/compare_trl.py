@@ -57,22 +57,28 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmrl.envs.arithmetic import ArithmeticProblem
 
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 8
 NATURAL_MAX_TOKENS = 16  # llmrl's default max_tokens for the task; the answers take 3-5 tokens
 LONG_MAX_TOKENS = 64
 FRAMEWORKS = ("trl", "llmrl")
-NO_EOS_INFERENCE = "local-no-eos"
+NO_EOS_INFERENCE = "local-no-eos"  # the long workload's plug-ins (registered in the llmrl worker)
+LONG_AGENT = "arithmetic-long"
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class WorkerSpec:
     run_dir: str
     lr: float
     seed: int
+    llmrl_overrides: list[str]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +133,7 @@ def write_prompts(path: Path, count: int, seed: int) -> list[dict[str, Any]]:
     order = EpochSampler(len(problems), seed=config.seed).take(count)  # what RewardOnlyAgent draws
     rows = [
         {"problem_id": problems[i].id, "prompt": [m.model_dump() for m in problems[i].prompt],
-         "answer": problems[i].answer.answer}
+         "a": problems[i].answer.a, "op": problems[i].answer.op, "b": problems[i].answer.b}
         for i in order
     ]  # fmt: skip
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -160,16 +167,21 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    from llmrl.envs.arithmetic import score
+    from llmrl.envs.arithmetic import ArithmeticProblem
 
     transformers.logging.set_verbosity_error()
     setting = spec.setting
     rows = read_prompts(spec.prompts_file)[: setting.steps * PROMPTS_PER_STEP]
-    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    dataset = datasets.Dataset.from_list([{key: r[key] for key in ("prompt", "a", "op", "b")} for r in rows])
     steps: list[dict[str, Any]] = []
 
-    def arithmetic_reward(completions: list[list[dict[str, str]]], answer: list[int], **_: Any) -> list[float]:
-        return [score(c[-1]["content"], _Answer(a)) for c, a in zip(completions, answer, strict=True)]
+    def arithmetic_reward(
+        completions: list[list[dict[str, str]]], a: list[int], op: list[str], b: list[int], **_: Any
+    ) -> list[float]:
+        problems = [ArithmeticProblem.of(*operands) for operands in zip(a, op, b, strict=True)]
+        return [
+            reward(setting.workload, c[-1]["content"], p) for c, p in zip(completions, problems, strict=True)
+        ]
 
     class TimedGRPOTrainer(GRPOTrainer):
         """Records, per step, the time spent generating and scoring and what was generated."""
@@ -184,7 +196,9 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
             })  # fmt: skip
             return output
 
-        def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        def _calculate_rewards(
+            self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
+        ) -> Any:
             began = time.perf_counter()
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             steps[-1]["reward_s"] = time.perf_counter() - began
@@ -251,13 +265,6 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
     return {"steps": steps, "train_s": train_s, "model_dir": str(model_dir), "version": _version("trl")}
 
 
-@dataclass(frozen=True)
-class _Answer:
-    """What `llmrl.envs.arithmetic.score` reads of a problem."""
-
-    answer: int
-
-
 def run_llmrl(spec: WorkerSpec) -> dict[str, Any]:
     """llmrl's trainer, configured from the built-in demo config with overrides."""
     from llmrl.config import load_config
@@ -301,9 +308,9 @@ def run_llmrl(spec: WorkerSpec) -> dict[str, Any]:
         "logging.progress=off",
     ]
     if setting.workload == "long":
-        _register_no_eos_engine()
-        overrides.append(f"inference.type={NO_EOS_INFERENCE}")
-    trainer = Trainer(load_config(None, overrides))
+        _register_long_plugins()
+        overrides += [f"inference.type={NO_EOS_INFERENCE}", f"environments.0.agent_type={LONG_AGENT}"]
+    trainer = Trainer(load_config(None, overrides + spec.llmrl_overrides))
     lengths: list[list[list[int]]] = []
     update = trainer.update
 
@@ -320,28 +327,60 @@ def run_llmrl(spec: WorkerSpec) -> dict[str, Any]:
     expected = [r["problem_id"] for r in read_prompts(spec.prompts_file)[: setting.steps * PROMPTS_PER_STEP]]
     trained = [r["problem_id"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
     if trained != expected:
-        raise RuntimeError("llmrl trained on other problems than the prompts file lists (first difference at "
-                           f"{next(i for i, (a, b) in enumerate(zip(trained, expected)) if a != b)})")
+        raise RuntimeError(
+            f"llmrl trained on other problems than {spec.prompts_file} lists: "
+            f"{len(trained)} drawn, {sum(map(str.__ne__, trained, expected))} differ"
+        )
     steps = []
-    for record, step_lengths in zip([m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] > 0], lengths,
-                                    strict=True):
-        steps.append({"step_s": record["time/step_s"], "generate_s": record["time/rollouts_s"], "reward_s": 0.0,
-                      "reward": record["reward/mean"], "lengths": step_lengths})
+    for record, step_lengths in zip(
+        [m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] > 0], lengths, strict=True
+    ):
+        steps.append(
+            {
+                "step_s": record["time/step_s"],
+                "generate_s": record["time/rollouts_s"],
+                "reward_s": 0.0,
+                "reward": record["reward/mean"],
+                "lengths": step_lengths,
+            }
+        )
     model_dir = next((run_dir / "checkpoints").glob("step_*")) / "model"
     return {"steps": steps, "train_s": train_s, "model_dir": str(model_dir), "version": _version("llmrl")}
 
 
-def _register_no_eos_engine() -> None:
-    """Register `local-no-eos`: the embedded engine with eos off, so every completion runs to max_tokens."""
+def _register_long_plugins() -> None:
+    """Register the long workload's pieces: the embedded engine with eos off, so every completion runs
+    to max_tokens, and the arithmetic task scored by `reward` ("the completion starts with the answer")."""
+    from llmrl.envs.arithmetic import ArithmeticAgent
     from llmrl.inference.engine import LocalEngine
-    from llmrl.registry import register_inference
+    from llmrl.registry import register_agent, register_inference
 
     class NoEosEngine(LocalEngine):
         def __init__(self, *args: Any, **kwargs: Any):
             kwargs.setdefault("eos_token_ids", ())
             super().__init__(*args, **kwargs)
 
+    class LongArithmeticAgent(ArithmeticAgent):
+        def reward(self, response: Any, problem: Any) -> float:
+            return reward("long", response.text, problem.answer)
+
     register_inference(NO_EOS_INFERENCE, NoEosEngine, replace=True)
+    register_agent(LONG_AGENT, LongArithmeticAgent, replace=True)
+
+
+def reward(workload: str, completion: str, problem: ArithmeticProblem) -> float:
+    """The reward of both frameworks.
+
+    Natural: the task's own (`llmrl.envs.arithmetic.score`: the first integer is the answer). Long
+    completions run on past the answer, usually in digits, so that first integer would almost never
+    match and, with every reward 0, llmrl would skip the forward and backward passes that TRL runs;
+    they score 1 when they start with the answer, which keeps both sides training.
+    """
+    from llmrl.envs.arithmetic import score
+
+    if workload == "long":
+        return 1.0 if completion.lstrip().startswith(str(problem.answer)) else 0.0
+    return score(completion, problem)
 
 
 def _version(package: str) -> str:
@@ -372,7 +411,11 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         embedding = model.get_input_embeddings().weight.numel()
         head = model.get_output_embeddings().weight.numel()
-        body = sum(p.numel() for p in model.parameters()) - embedding - (0 if config.tie_word_embeddings else head)
+        body = (
+            sum(p.numel() for p in model.parameters())
+            - embedding
+            - (0 if config.tie_word_embeddings else head)
+        )
         return cls(body, head, config.num_hidden_layers, config.num_attention_heads * head_dim)
 
     def attention(self, queries: int, context_before: int = 0) -> float:
@@ -440,17 +483,47 @@ def evaluate(model_dir: str, seed: int, num_prompts: int) -> dict[str, float]:
 
 def launch(spec: WorkerSpec, log_path: Path) -> dict[str, Any]:
     """Run one worker subprocess; its output goes to `log_path`, its result comes back as JSON."""
-    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(spec.run_dir, ignore_errors=True)  # an earlier run there would be resumed, not redone
+    Path(spec.run_dir).mkdir(parents=True)
     spec_path = Path(spec.run_dir) / "worker_spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
     env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    busy_before, ours_before, began = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
     with log_path.open("w") as log:
-        done = subprocess.run([sys.executable, __file__, "--worker", str(spec_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env=env, check=False)
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            check=False,
+        )
     if done.returncode != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"{spec.framework} on {spec.setting.slug} failed ({done.returncode}); log {log_path}:\n{tail}")
-    return json.loads((Path(spec.run_dir) / "result.json").read_text())
+        raise RuntimeError(
+            f"{spec.framework} on {spec.setting.slug} failed ({done.returncode}); log {log_path}:\n{tail}"
+        )
+    result = json.loads((Path(spec.run_dir) / "result.json").read_text())
+    if busy_before is not None:
+        others = busy_cpu_seconds() - busy_before - (children_cpu_seconds() - ours_before)
+        result["others_cpu_share"] = max(others, 0.0) / (
+            (time.perf_counter() - began) * (os.cpu_count() or 1)
+        )
+    return result
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of the machine has run since boot (Linux /proc/stat; None elsewhere)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def worker_main(spec_path: str) -> None:
@@ -489,46 +562,83 @@ def figures(result: dict[str, Any], shape: ModelShape, beta: float) -> Figures:
     )
 
 
-def table(setting: Setting, runs: dict[str, list[Figures]], peak: float, accuracy: dict[str, dict[str, float]] | None
-          ) -> list[str]:
-    """The markdown table of one setting: median over repeats, ratio llmrl / TRL within each repeat."""
+def table(
+    setting: Setting,
+    runs: dict[str, list[Figures]],
+    peak: float,
+    accuracy: dict[str, list[dict[str, float]]] | None,
+) -> list[str]:
+    """The markdown table of one setting: medians over repeats, ratio llmrl / TRL within each repeat."""
 
     def median(framework: str, field: str) -> float:
         return statistics.median(getattr(f, field) for f in runs[framework])
 
     def ratio(field: str) -> float:
-        return statistics.median(getattr(ll, field) / getattr(tr, field)
-                                 for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True))
+        return statistics.median(
+            getattr(ll, field) / getattr(tr, field) for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True)
+        )
 
     rows = [
-        ("seconds per step (median)", "step_s", "{:.3f}"),
-        ("  generation + reward", "generate_s", "{:.3f}"),
-        ("  rest: logprobs, loss, backward, optimizer, sync", "rest_s", "{:.3f}"),
+        ("seconds per step", "step_s", "{:.3f}"),
+        ("- generation + reward", "generate_s", "{:.3f}"),
+        ("- the rest: logprobs, loss, backward, optimizer, weight sync", "rest_s", "{:.3f}"),
         ("completion tokens per step", "tokens_per_step", "{:.0f}"),
         ("completion tokens / s", "tokens_per_s", "{:.0f}"),
         ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
-        ("model GFLOP/s of the whole step", "flops_per_s", "{:.2f}"),
+        ("model GFLOP/s of the whole step", "flops_per_s", "{:.1f}"),
     ]
     lines = [f"### {setting.title}", "", "| | TRL | llmrl | llmrl / TRL |", "|---|---:|---:|---:|"]
     for label, field, fmt in rows:
         scale = 1e-9 if field == "flops_per_s" else 1.0
-        lines.append(f"| {label} | {fmt.format(median('trl', field) * scale)} | "
-                     f"{fmt.format(median('llmrl', field) * scale)} | {ratio(field):.2f} |")
-    lines.append(f"| fraction of the fp32 matmul peak ({peak / 1e9:.1f} GFLOP/s) | "
-                 f"{median('trl', 'flops_per_s') / peak:.2%} | {median('llmrl', 'flops_per_s') / peak:.2%} | "
-                 f"{ratio('flops_per_s'):.2f} |")
+        lines.append(
+            f"| {label} | {fmt.format(median('trl', field) * scale)} | "
+            f"{fmt.format(median('llmrl', field) * scale)} | {ratio(field):.2f} |"
+        )
+    lines.append(
+        f"| fraction of the fp32 matmul peak ({peak / 1e9:.0f} GFLOP/s) | "
+        f"{median('trl', 'flops_per_s') / peak:.1%} | {median('llmrl', 'flops_per_s') / peak:.1%} | "
+        f"{ratio('flops_per_s'):.2f} |"
+    )
     if accuracy is not None:
-        for metric, label in (("pass@1", "held-out sampled accuracy (pass@1)"), ("greedy_accuracy", "greedy accuracy")):
-            before = accuracy["before"][metric]
-            trl, llmrl = accuracy["trl"][metric], accuracy["llmrl"][metric]
-            lines.append(f"| {label}: before {before:.3f}, after {setting.steps} steps | {trl:.3f} | {llmrl:.3f} | "
-                         f"{llmrl / trl if trl else float('nan'):.2f} |")
-    speedup = 1 / ratio("step_s")
-    lines += ["", f"llmrl is {speedup:.2f}x as fast per step ({len(runs['trl'])} interleaved repeats)."]
+        for metric, label in (
+            ("pass@1", "held-out sampled accuracy (pass@1)"),
+            ("greedy_accuracy", "greedy accuracy"),
+        ):
+            before = accuracy["before"][0][metric]
+            after = {f: statistics.median(a[metric] for a in accuracy[f]) for f in FRAMEWORKS}
+            lines.append(
+                f"| {label}, {before:.3f} before, after {setting.steps} steps | {after['trl']:.3f} | "
+                f"{after['llmrl']:.3f} | {after['llmrl'] / after['trl'] if after['trl'] else math.nan:.2f} |"
+            )
     return lines
 
 
+def verdict(
+    setting: Setting, runs: dict[str, list[Figures]], accuracy: dict[str, list[dict[str, float]]] | None
+) -> str:
+    """The issue's targets for this setting, met or not."""
+    speedup = statistics.median(
+        tr.step_s / ll.step_s for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True)
+    )
+    target = 2.0 if setting.workload == "natural" else 3.0
+    memory = statistics.median(
+        ll.peak_rss_mib / tr.peak_rss_mib for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True)
+    )
+    parts = [
+        f"llmrl is {speedup:.2f}x as fast per step (target {target:g}x: {'met' if speedup >= target else 'missed'})",
+        f"peak RSS {memory:.2f}x TRL's (target <= 1: {'met' if memory <= 1 else 'missed'})",
+    ]
+    if accuracy is not None:
+        after = {f: statistics.median(a["pass@1"] for a in accuracy[f]) for f in FRAMEWORKS}
+        met = after["llmrl"] >= after["trl"]
+        parts.append(
+            f"held-out pass@1 {after['llmrl']:.3f} vs {after['trl']:.3f} (target >=: {'met' if met else 'missed'})"
+        )
+    return "Targets: " + "; ".join(parts) + f" ({len(runs['trl'])} interleaved repeats)."
+
+
 def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """Mean training reward per step, one panel per setting, one line per framework."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -537,7 +647,12 @@ def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
     figure, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
     for axis, (title, by_framework) in zip(axes[0], curves.items(), strict=True):
         for framework, rewards in by_framework.items():
-            axis.plot(range(1, len(rewards) + 1), rewards, label="TRL" if framework == "trl" else "llmrl", alpha=0.85)
+            axis.plot(
+                range(1, len(rewards) + 1),
+                rewards,
+                label="TRL" if framework == "trl" else "llmrl",
+                alpha=0.85,
+            )
         axis.set(title=title, xlabel="step", ylabel="mean training reward", ylim=(0, 1))
         axis.grid(alpha=0.3)
         axis.legend()
@@ -548,14 +663,23 @@ def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="training steps of the natural workload")
-    parser.add_argument("--long-steps", type=int, default=6, help="training steps of the long workload")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every run")
+    parser.add_argument("--steps", type=int, default=60, help="training steps of the natural workload")
+    parser.add_argument("--long-steps", type=int, default=10, help="training steps of the long workload")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every run")
     parser.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04], help="KL weights to compare")
     parser.add_argument("--workloads", nargs="+", choices=("natural", "long"), default=["natural", "long"])
-    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of both (the demo's, for this model)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of both")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-prompts", type=int, default=256, help="held-out problems of the accuracy figures")
+    parser.add_argument(
+        "--eval-prompts", type=int, default=256, help="held-out problems of the accuracy figures"
+    )
+    parser.add_argument(
+        "--llmrl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra llmrl config override (repeatable), e.g. training.pack_row_tokens=128",
+    )
     parser.add_argument("--out", default="runs/compare_trl", help="folder for prompts, runs, report and plot")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one framework from a spec file
     args = parser.parse_args(argv)
@@ -569,60 +693,106 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = str(tiny_model_path("arithmetic"))
-    settings = [Setting(w, b, args.steps if w == "natural" else args.long_steps) for w in args.workloads
-                for b in args.betas]
+    settings = [
+        Setting(w, b, args.steps if w == "natural" else args.long_steps)
+        for w in args.workloads
+        for b in args.betas
+    ]
     prompts_file = out / "prompts.jsonl"
     write_prompts(prompts_file, max(s.steps for s in settings) * PROMPTS_PER_STEP, args.seed)
     shape = ModelShape.of(model_dir)
     peak = matmul_peak()
-    print(f"model {model_dir} ({shape.body + shape.head:,} weights), prompts {prompts_file}, "
-          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"model {model_dir} ({shape.body + shape.head:,} weights), prompts {prompts_file}, "
+        f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, {os.cpu_count()} CPUs",
+        flush=True,
+    )
 
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for repeat in range(args.repeats):
         for index, setting in enumerate(settings):
             order = FRAMEWORKS if (repeat + index) % 2 == 0 else FRAMEWORKS[::-1]
             for framework in order:
-                run_dir = out / f"{setting.slug}-{framework}-r{repeat}"
-                spec = WorkerSpec(framework, setting, model_dir, str(prompts_file), str(run_dir), args.lr, args.seed)
-                result = launch(spec, out / f"{setting.slug}-{framework}-r{repeat}.log")
+                name = f"{setting.slug}-{framework}-r{repeat}"
+                spec = WorkerSpec(
+                    framework,
+                    setting,
+                    model_dir,
+                    str(prompts_file),
+                    str(out / name),
+                    args.lr,
+                    args.seed,
+                    args.llmrl_set,
+                )
+                result = launch(spec, out / f"{name}.log")
                 results.setdefault((setting.slug, framework), []).append(result)
                 step = figures(result, shape, setting.beta)
-                print(f"repeat {repeat + 1}/{args.repeats} {setting.slug:<18} {framework:<5} "
-                      f"{step.step_s:.3f} s/step (generation {step.generate_s:.3f}), {step.tokens_per_s:.0f} tok/s, "
-                      f"peak RSS {step.peak_rss_mib:.0f} MiB, wall {result['wall_s']:.0f} s", flush=True)
+                print(
+                    f"repeat {repeat + 1}/{args.repeats} {setting.slug:<15} {framework:<5} "
+                    f"{step.step_s:.3f} s/step (generation {step.generate_s:.3f}), {step.tokens_per_s:.0f} tok/s, "
+                    f"peak RSS {step.peak_rss_mib:.0f} MiB, process {result['wall_s']:.0f} s, other processes "
+                    f"{result.get('others_cpu_share', math.nan):.0%} of the CPUs",
+                    flush=True,
+                )
                 gc.collect()
-    peak = max(peak, matmul_peak())  # the machine's best of the run
+    peak = max(peak, matmul_peak())  # the machine's best over the run
 
-    accuracy: dict[str, dict[str, dict[str, float]]] = {}
-    if any(s.workload == "natural" for s in settings):
-        before = evaluate(model_dir, args.seed, args.eval_prompts)
-        for setting in (s for s in settings if s.workload == "natural"):
+    accuracy: dict[str, dict[str, list[dict[str, float]]]] = {}
+    natural = [s for s in settings if s.workload == "natural"]
+    if natural:
+        evaluation_began = time.perf_counter()
+        before = [evaluate(model_dir, args.seed, args.eval_prompts)]
+        for setting in natural:
             accuracy[setting.slug] = {"before": before} | {
-                framework: evaluate(results[(setting.slug, framework)][0]["model_dir"], args.seed, args.eval_prompts)
-                for framework in FRAMEWORKS
+                f: [
+                    evaluate(r["model_dir"], args.seed, args.eval_prompts) for r in results[(setting.slug, f)]
+                ]
+                for f in FRAMEWORKS
             }
+        print(f"held-out evaluations: {time.perf_counter() - evaluation_began:.0f} s", flush=True)
 
-    versions = {f: results[(settings[0].slug, f)][0]["version"] for f in FRAMEWORKS}
-    threads = {f: results[(settings[0].slug, f)][0]["threads"] for f in FRAMEWORKS}
-    command = "python bench/compare_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    first = {f: results[(settings[0].slug, f)][0] for f in FRAMEWORKS}
+    command = " ".join(["python bench/compare_trl.py", *(argv if argv is not None else sys.argv[1:])])
     report = [
-        f"`{command.strip()}`: TRL {versions['trl']}, llmrl {versions['llmrl']}, {os.cpu_count()} CPUs, torch "
-        f"threads {threads['trl']}/{threads['llmrl']} (TRL/llmrl), lr {args.lr:g}, {PROMPTS_PER_STEP} prompts x "
-        f"{GROUP_SIZE} completions per step, held-out accuracy on {args.eval_prompts} problems x 8 samples.",
+        f"`{command}`",
+        "",
+        f"TRL {first['trl']['version']}, llmrl {first['llmrl']['version']}, torch threads "
+        f"{first['trl']['threads']} (TRL) / {first['llmrl']['threads']} (llmrl) on {os.cpu_count()} CPUs; lr "
+        f"{args.lr:g}; {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions per step; medians over steps 2..N "
+        f"and {args.repeats} interleaved repeats; held-out accuracy on {args.eval_prompts} problems x 8 samples "
+        f"(pass@1) and greedily, median over repeats."
+        + (f" Extra llmrl overrides: {', '.join(args.llmrl_set)}." if args.llmrl_set else ""),
         "",
     ]
     for setting in settings:
         runs = {f: [figures(r, shape, setting.beta) for r in results[(setting.slug, f)]] for f in FRAMEWORKS}
-        report += table(setting, runs, peak, accuracy.get(setting.slug)) + [""]
+        report += [
+            *table(setting, runs, peak, accuracy.get(setting.slug)),
+            "",
+            verdict(setting, runs, accuracy.get(setting.slug)),
+            "",
+        ]
     curves = {
-        f"natural, beta {s.beta:g}": {f: [step["reward"] for step in results[(s.slug, f)][0]["steps"]]
-                                      for f in FRAMEWORKS}
-        for s in settings if s.workload == "natural"
+        f"natural, beta {s.beta:g}": {
+            f: [
+                statistics.mean(step)
+                for step in zip(
+                    *([x["reward"] for x in r["steps"]] for r in results[(s.slug, f)]), strict=True
+                )
+            ]
+            for f in FRAMEWORKS
+        }
+        for s in natural
     }
     if curves:
         plot_rewards(curves, out / "reward_curves.png")
-        report.append(f"Reward curves: `{out / 'reward_curves.png'}`.")
+        report.append(f"Reward curves (mean over repeats): `{out / 'reward_curves.png'}`.")
+    shares = [r["others_cpu_share"] for runs in results.values() for r in runs if "others_cpu_share" in r]
+    if shares:
+        report.append(
+            f"Other processes used {statistics.median(shares):.0%} of the CPUs during the median run, "
+            f"{max(shares):.0%} at most" + (" (timings disturbed)." if max(shares) > 0.1 else ".")
+        )
     report.append(f"Total time {time.perf_counter() - began:.0f} s.")
     text = "\n".join(report) + "\n"
     (out / "report.md").write_text(text)
