@@ -1,18 +1,21 @@
 """GRPO side by side with Hugging Face TRL: the same model, task, prompts and settings, one command.
 
-    python bench/compare_trl.py [--steps 30] [--long-steps 6] [--repeats 2] [--betas 0 0.04]
-                                [--workloads natural long] [--lr 3e-4] [--out runs/compare_trl]
+    python bench/compare_trl.py            # ~10 min on 2 CPU cores; results in runs/compare_trl/
+    python bench/compare_trl.py [--steps 60] [--long-steps 10] [--repeats 3] [--betas 0 0.04]
+        [--workloads natural long] [--lr 1e-4] [--eval-prompts 256] [--llmrl-set KEY=VALUE ...]
+        [--out runs/compare_trl]
 
 Needs the `trl` extra (``pip install -c constraints.txt -e '.[trl]'``). Builds (or reuses) the tiny
 default model (`tiny://arithmetic`, 0.9M-parameter Qwen2, ChatML) and writes the training prompts,
 drawn from the arithmetic task's train split in the order llmrl's trainer draws them, to
-``OUT/prompts.jsonl``; TRL reads that file in order (``shuffle_dataset=False``), and the llmrl run
-checks that it trained on the same problems. Then, for every setting (workload x KL beta), it trains
-each framework in a subprocess of its own (so that peak RSS is that framework's), repeats
+``OUT/prompts.jsonl``; TRL reads that file in order (``shuffle_dataset=False``), and each llmrl run
+checks that it trained on exactly those problems. Then, for every setting (workload x KL beta), it
+trains each framework in a subprocess of its own (so that peak RSS is that framework's), repeats
 interleaved and the order alternating, because timings drift over minutes on a shared machine:
 
 - **TRL**: `GRPOTrainer` with its default generation (`model.generate`, no vLLM);
-- **llmrl**: `llmrl.trainer.Trainer(load_config(None, overrides)).run()`.
+- **llmrl**: `llmrl.trainer.Trainer(load_config(None, overrides)).run()`, its defaults otherwise
+  (``--llmrl-set`` adds overrides, e.g. ``training.pack_row_tokens=128``).
 
 Matched settings: 8 prompts x 8 completions per step (TRL's ``per_device_train_batch_size`` counts
 completions: 64), one optimizer step per RL step (no PPO epochs, so the ratio's denominator is the
@@ -23,15 +26,20 @@ per-token losses averaged over every completion token of the step (llmrl's `toke
 ``loss_type="dapo"``); float32 weights and math on both (TRL defaults to bf16 autocast), no gradient
 checkpointing (TRL's default is on), no experiment tracker, no evaluation inside the timed steps.
 Remaining differences: TRL's group std is the sample std (n - 1) and its epsilon 1e-4, llmrl's the
-population std and 1e-6, which scales advantages by at most 7% (AdamW mostly absorbs it).
+population std and 1e-6, which scales advantages by at most 7% (AdamW mostly absorbs it); with
+beta 0, llmrl skips the forward and backward passes of rollouts whose advantage is 0 (whole groups
+with equal rewards), which changes neither its loss nor its gradient.
 
 Workloads:
 
-- ``natural``: the arithmetic task as trained (completions stop at eos, a few tokens; at most 16).
-- ``long``: every completion exactly 64 tokens, for throughput only. TRL suppresses eos for 64
-  tokens (``generation_kwargs={"min_new_tokens": 64}``); llmrl serves rollouts through the embedded
-  engine with eos turned off (``LocalEngine(eos_token_ids=())``), registered here as the inference
-  type ``local-no-eos`` (a plug-in: no llmrl option is needed).
+- ``natural``: the arithmetic task as trained (completions stop at eos: 3-4 tokens, at most 16).
+- ``long``: every completion exactly 64 tokens, for throughput. TRL bans eos for 64 tokens
+  (``generation_kwargs={"min_new_tokens": 64}``); llmrl's engine runs with eos off
+  (``LocalEngine(eos_token_ids=())``: an eos it samples does not stop the completion), through two
+  plug-ins this script registers in the llmrl process (no llmrl option is needed): the inference
+  type ``local-no-eos`` and the agent ``arithmetic-long``. Past the answer the completions run on in
+  digits, so the task's reward (the first integer) would be 0 almost everywhere and llmrl would
+  skip training; both sides score "the completion starts with the answer" instead (`reward`).
 
 Printed per setting (one markdown table, also written to ``OUT/report.md``): median seconds per
 step over steps 2..N (the first is warm-up) and its split into generation (including the reward)
@@ -39,17 +47,24 @@ and the rest (logprobs, loss, backward, optimizer, weight sync); completion toke
 step time; peak RSS of the process; the model FLOP/s of the whole step as a fraction of a float32
 matmul peak measured in the same run; and, for the natural workload, held-out sampled accuracy
 (pass@1) and greedy accuracy before and after the N steps, both measured with llmrl's evaluation
-(`llmrl.evaluation.evaluate_environments`) on each framework's saved model. Ratios are llmrl / TRL
-within a repeat, median over repeats. Also saved: ``OUT/reward_curves.png`` (mean training reward
-per step, both frameworks).
+(`llmrl.evaluation.evaluate_environments`, what `llmrl eval` runs) on each framework's saved model.
+Figures are medians over repeats; ratios are llmrl / TRL within a repeat, median over repeats.
+Each table ends with the issue's targets (llmrl >= 2x as fast per step on natural, >= 3x on long,
+peak memory no higher, held-out accuracy at least as high), met or missed. Also saved:
+``OUT/reward_curves.png`` (mean training reward per step of both frameworks, mean over repeats).
+The share of the CPUs that other processes used during each run is measured (Linux /proc/stat)
+and reported: timings taken beside other work are not comparable.
+
+Step time: TRL's from `on_step_begin` to `on_step_end` (generation, loss, backward, optimizer);
+llmrl's `time/step_s` (rollouts, update, weight sync). Generation: the time in TRL's `_generate`
+and `_calculate_rewards`; llmrl's `time/rollouts_s`.
 
 FLOPs are counted the same way for both, from the prompts and completions each produced: 2 x
 weights per token plus causal attention, for generation (each group's prompt prefilled once, every
 completion token but the last fed back), for forward + backward over every rollout (3 x forward,
 logits on completion positions only) and for the reference model's forward when beta > 0. Padding,
-recomputation and redundant prefills are not counted; work llmrl skips (the forward and backward of
-zero-advantage rollouts when beta is 0) is counted as if done, so the figure measures the step, not
-the kernels.
+recomputation and redundant prefills are not counted, and the work llmrl skips is counted as done,
+so the figure measures the step, not the kernels.
 """
 
 from __future__ import annotations
@@ -437,20 +452,6 @@ class ModelShape:
         return flops
 
 
-def matmul_peak(seconds: float = 2.0) -> float:
-    """Best float32 FLOP/s of a 1024^3 matmul over a few tries (with torch's default threads)."""
-    import torch
-
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        began = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        best = max(best, 4 * 2 * 1024**3 / (time.perf_counter() - began))
-    return best
-
-
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 
@@ -637,8 +638,8 @@ def verdict(
     return "Targets: " + "; ".join(parts) + f" ({len(runs['trl'])} interleaved repeats)."
 
 
-def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
-    """Mean training reward per step, one panel per setting, one line per framework."""
+def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path, window: int = 10) -> None:
+    """Mean training reward per step (thin) and its `window`-step moving average, one panel per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -646,12 +647,15 @@ def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
 
     figure, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
     for axis, (title, by_framework) in zip(axes[0], curves.items(), strict=True):
-        for framework, rewards in by_framework.items():
+        for (framework, rewards), color in zip(by_framework.items(), ("tab:blue", "tab:orange"), strict=True):
+            steps = range(1, len(rewards) + 1)
+            average = [statistics.mean(rewards[max(0, i + 1 - window) : i + 1]) for i in range(len(rewards))]
+            axis.plot(steps, rewards, color=color, alpha=0.3, linewidth=0.8)
             axis.plot(
-                range(1, len(rewards) + 1),
-                rewards,
-                label="TRL" if framework == "trl" else "llmrl",
-                alpha=0.85,
+                steps,
+                average,
+                color=color,
+                label=f"{'TRL' if framework == 'trl' else 'llmrl'} ({window}-step mean)",
             )
         axis.set(title=title, xlabel="step", ylabel="mean training reward", ylim=(0, 1))
         axis.grid(alpha=0.3)
@@ -701,6 +705,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts_file = out / "prompts.jsonl"
     write_prompts(prompts_file, max(s.steps for s in settings) * PROMPTS_PER_STEP, args.seed)
     shape = ModelShape.of(model_dir)
+    from generation import matmul_peak  # bench/generation.py, beside this script
+
     peak = matmul_peak()
     print(
         f"model {model_dir} ({shape.body + shape.head:,} weights), prompts {prompts_file}, "

@@ -131,8 +131,8 @@ class RolloutPipeline:
     the L steps before it train. The schedule is fixed, not a race: a batch is submitted right after
     the weights it must use are synced, and a sync waits until every batch submitted before it is
     complete, so in-flight work always finishes on the weights it started with and no sequence mixes
-    two versions. Batches are drawn one at a time, in step order, by a worker thread with its own
-    event loop; the trainer's thread trains meanwhile. A seeded run therefore generates the same
+    two versions. With a lag, batches are drawn one at a time, in step order, by a worker thread with
+    its own event loop while the trainer's thread trains; without one, on the trainer's thread. A seeded run therefore generates the same
     tokens with or without interruptions, whatever the timing.
     """
 
@@ -190,9 +190,16 @@ class RolloutPipeline:
     def submit_ahead(self, trained_step: int) -> None:
         """Submit the batches the weights of `trained_step` (now served) are to generate."""
         while self._next_step <= min(trained_step + 1 + self.lag, self.last_step):
-            self._batches[self._next_step] = self._worker.submit(
-                contextvars.copy_context().run, self._draw, self._next_step
-            )
+            if self.lag == 0:
+                # Nothing to overlap with: draw on this thread. A second thread running torch ops gets
+                # its own OpenMP team, and on a small CPU the two teams slow each other down.
+                drawn: Future[list[RolloutGroup]] = Future()
+                drawn.set_result(self._draw(self._next_step))
+                self._batches[self._next_step] = drawn
+            else:
+                self._batches[self._next_step] = self._worker.submit(
+                    contextvars.copy_context().run, self._draw, self._next_step
+                )
             self._next_step += 1
 
     def agent_state(self, trained_step: int) -> dict[str, Any]:
