@@ -157,7 +157,7 @@ class RolloutPipeline:
         self.last_step = last_step
         self.bank = bank
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-rollouts")
-        self._batches: dict[int, Future[list[RolloutGroup]]] = {}
+        self._batches: dict[int, Future[list[RolloutGroup]] | None] = {}  # None: not drawn yet (lag 0)
         self._state_after: dict[int, dict[str, Any]] = {}  # agents' state right after drawing batch t
         self._next_step = 1
 
@@ -179,23 +179,24 @@ class RolloutPipeline:
         return len(pending)
 
     def get(self, step: int) -> list[RolloutGroup]:
-        """The groups of training step `step` (waits for their generation)."""
-        return self._batches.pop(step).result()
+        """The groups of training step `step` (waits for their generation, or draws them with no lag)."""
+        batch = self._batches.pop(step)
+        return self._draw(step) if batch is None else batch.result()
 
     def wait_ahead(self) -> None:
         """Wait until every submitted batch is complete (before the weights they use change)."""
         for future in list(self._batches.values()):
-            future.exception()  # waits; a failure is raised by `get`
+            if future is not None:
+                future.exception()  # waits; a failure is raised by `get`
 
     def submit_ahead(self, trained_step: int) -> None:
         """Submit the batches the weights of `trained_step` (now served) are to generate."""
         while self._next_step <= min(trained_step + 1 + self.lag, self.last_step):
             if self.lag == 0:
-                # Nothing to overlap with: draw on this thread. A second thread running torch ops gets
-                # its own OpenMP team, and on a small CPU the two teams slow each other down.
-                drawn: Future[list[RolloutGroup]] = Future()
-                drawn.set_result(self._draw(self._next_step))
-                self._batches[self._next_step] = drawn
+                # Nothing to overlap with: `get` draws it on the trainer's thread, within the step. A
+                # second thread running torch ops gets its own OpenMP team, and on a small CPU the two
+                # teams slow each other down.
+                self._batches[self._next_step] = None
             else:
                 self._batches[self._next_step] = self._worker.submit(
                     contextvars.copy_context().run, self._draw, self._next_step
@@ -210,7 +211,8 @@ class RolloutPipeline:
 
     def close(self) -> None:
         for future in self._batches.values():
-            future.cancel()
+            if future is not None:
+                future.cancel()
         self._worker.shutdown(wait=True)
 
     def _draw(self, step: int) -> list[RolloutGroup]:
