@@ -46,7 +46,7 @@ class BankedBatch:
             "groups": [g.model_dump(mode="json") for g in self.groups],
             "agents": self.agent_state,
         }
-        payload = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        payload = _canonical(record)
         return f'{{"crc32":{zlib.crc32(payload.encode())},"record":{payload}}}\n'
 
 
@@ -104,14 +104,18 @@ class RolloutBank:
         atomic_write(self.path, "".join(b.to_line() for b in batches))
 
 
+def _canonical(record: dict[str, Any]) -> str:
+    """The JSON the checksum covers: keys sorted, no spaces, so a record re-serialises identically."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
 def _parse(line: str) -> BankedBatch | None:
     if not line.endswith("\n"):
         return None  # the write that would have ended it never finished
     try:
         outer = json.loads(line)
         record = outer["record"]
-        payload = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        if zlib.crc32(payload.encode()) != outer["crc32"]:
+        if zlib.crc32(_canonical(record).encode()) != outer["crc32"]:
             return None
         groups = [RolloutGroup.model_validate(g) for g in record["groups"]]
         return BankedBatch(step=int(record["step"]), groups=groups, agent_state=record["agents"])

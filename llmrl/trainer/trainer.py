@@ -21,6 +21,7 @@ broadcasts each step's rollouts; every rank trains on its share of the batch.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -39,7 +40,7 @@ from llmrl.agents import build_agents
 from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
 from llmrl.inference import build_inference, run_sync
-from llmrl.logging import MetricsLogger, RolloutLog, Tracer, read_metrics, use_tracer
+from llmrl.logging import MetricsLogger, RolloutLog, Tracer, atomic_write, read_metrics, use_tracer
 from llmrl.models import load_model
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
@@ -364,7 +365,7 @@ class Trainer:
         }
         if not self.is_main:
             return summary
-        (self.run_dir / "summary.json").write_text(_json(summary))
+        atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png",
                     title=f"{self.config.model.spec} on {', '.join(e.name for e in self.config.environments)}")
         return summary
@@ -465,9 +466,3 @@ def _evaluation_line(step: int, summary: Summary) -> str:
         shown = ", ".join(f"{name} {metrics[name]:.3f}" for name in ("pass@1", "greedy_accuracy") if name in metrics)
         parts.append(f"{env}: {shown}")
     return f"evaluation at step {step}: " + "; ".join(parts)
-
-
-def _json(data: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(data, indent=2) + "\n"
