@@ -156,6 +156,9 @@ class TrainingConfig(Section):
     pack_row_tokens: int = Field(512, ge=1)
     """Longest packed row (rollouts laid end to end); a rollout longer than this gets a row of its own.
     Attention over a row costs its length squared with the sdpa/eager kernels, so short rows are faster."""
+    share_prefixes: bool = True
+    """Encode a prompt once for all its rollouts in a step (an attention mask keeps the samples apart):
+    same loss and gradients, fewer tokens. Needs the sdpa or eager attention."""
     generation_lag: int = Field(0, ge=0)
     """Steps generation runs ahead of training: batch t is generated with the weights of step t-1-lag while earlier steps train (0 = on-policy, no overlap)."""
     deterministic: bool = True

@@ -114,9 +114,11 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of `batch`'s tokens under a Hugging Face causal LM.
 
-    The model sees ``input_ids`` and ``position_ids`` and no attention mask: transformers then reads
-    packed sequences from the position ids restarting at 0 and builds a block-diagonal causal mask
-    (SDPA/eager) or variable-length kernels (flash attention); see `llmrl.algorithms.packing`.
+    The model sees ``input_ids`` and ``position_ids`` and, unless the batch shares prefixes, no
+    attention mask: transformers then reads packed sequences from the position ids restarting at 0
+    and builds a block-diagonal causal mask (SDPA/eager) or variable-length kernels (flash attention).
+    A batch with shared prefixes brings its own mask (SDPA or eager attention only); see
+    `llmrl.algorithms.packing`.
 
     Returns ``[R, T]`` float32 tensors aligned with ``batch.input_ids``: entry ``t`` is the logprob
     of token ``t`` given the tokens before it in its sequence, filled in where ``batch.loss_mask`` is
@@ -126,22 +128,25 @@ def token_logprobs(
     backbone = model.base_model
     lm_head = model.get_output_embeddings()
     hidden = backbone(
-        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None, use_cache=False
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=_attention_mask(model, batch, lm_head.weight.dtype),
+        use_cache=False,
     ).last_hidden_state  # (R, T, H)
-    # Token t+1 is predicted from position t; the first token of a sequence is never in the mask.
-    predicted = batch.loss_mask[:, 1:]  # (R, T-1)
+    rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     logprobs, entropies = logprobs_from_hidden(
-        hidden[:, :-1][predicted],  # (N, H)
+        hidden[rows, batch.context_positions[rows, columns]],  # (N, H)
         lm_head.weight,
-        batch.input_ids[:, 1:][predicted],  # (N,)
+        batch.input_ids[rows, columns],  # (N,)
         temperature,
         lm_head_bias=lm_head.bias,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
     )
+    placed = torch.zeros(batch.loss_mask.shape, dtype=logprobs.dtype, device=logprobs.device)
     if entropies is not None:
-        entropies = _scatter_shifted(entropies, predicted)
-    return _scatter_shifted(logprobs, predicted), entropies
+        entropies = placed.index_put((rows, columns), entropies)
+    return placed.index_put((rows, columns), logprobs), entropies
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,12 +207,21 @@ def _view_or_none(values: torch.Tensor | None, shape: torch.Size) -> torch.Tenso
     return None if values is None else values.view(shape)
 
 
-def _scatter_shifted(values: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
-    """Place ``[N]`` values at the True entries of ``predicted`` ``[R, T-1]``, shifted to ``[R, T]``."""
-    out = torch.zeros(predicted.shape, dtype=values.dtype, device=values.device).masked_scatter(
-        predicted, values
+def _attention_mask(model: torch.nn.Module, batch: PackedBatch, dtype: torch.dtype) -> torch.Tensor | None:
+    """`batch`'s explicit attention mask in the form the model's attention kernel takes, or None."""
+    if batch.attention_mask is None:
+        return None
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == "sdpa":
+        return batch.attention_mask
+    if implementation == "eager":  # adds the mask to the scores
+        return torch.zeros(
+            batch.attention_mask.shape, dtype=dtype, device=batch.attention_mask.device
+        ).masked_fill(~batch.attention_mask, torch.finfo(dtype).min)
+    raise ValueError(
+        f"a batch with shared prefixes needs the sdpa or eager attention; this model uses {implementation!r} "
+        "(set training.share_prefixes: false)"
     )
-    return F.pad(out, (1, 0))  # (R, T): column 0 never has a prediction
 
 
 # Config attributes of models whose logits are not plain ``lm_head(hidden)`` (soft-capping, scaling).

@@ -16,6 +16,17 @@ embeddings read the restarted position ids, so each token sees exactly what it w
 A row shorter than the longest row is right-padded. Pad positions continue counting from the row's
 last sequence: causal attention means no real token ever attends to a later pad token, and rows that
 hold a single sequence then look unpacked to transformers (it can keep its plain causal fast path).
+
+Shared prefixes: the rollouts of a GRPO group repeat one prompt, often most of their tokens (a
+2-digit addition: an 18-token prompt, a 4-token answer). `share_prefixes` finds sequences with the
+same context (the tokens before their first loss token) and `build_batch` lays such a group out as
+the prefix once, then each member's remaining tokens with positions going on from the prefix. Position
+ids cannot express that pattern, so the batch then carries an explicit ``[R, 1, T, T]`` boolean
+attention mask (each member sees the prefix and itself; transformers passes a 4D mask to the kernel
+unchanged), and ``context_positions`` says which column predicts each token: a member's first token
+is predicted from the prefix's last one. Every token's logprob is then the one it has alone, and the
+prefix's activations receive the sum of the members' gradients, which is what separate copies would
+have added up to in the weights: the same loss and gradient from fewer tokens.
 """
 
 from __future__ import annotations
@@ -69,27 +80,102 @@ def packing_efficiency(lengths: Sequence[int], bins: Sequence[Sequence[int]], ma
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Sequences that begin with the same `length` tokens, laid out as that prefix once followed by
+    each member's remaining tokens (GRPO samples of one prompt: the prompt is encoded once).
+
+    The prefix must hold no loss token of any member; a member's first remaining token is predicted
+    from the prefix's last position.
+    """
+
+    members: tuple[int, ...]
+    length: int
+
+
+Unit = int | SharedPrefix
+"""What a row of `build_batch` holds: a sequence index (laid out whole) or a `SharedPrefix`."""
+
+
+def unit_tokens(unit: Unit, lengths: Sequence[int]) -> int:
+    """Tokens `unit` takes in a row, given each sequence's length."""
+    if isinstance(unit, SharedPrefix):
+        return unit.length + sum(lengths[i] - unit.length for i in unit.members)
+    return lengths[unit]
+
+
+def share_prefixes(
+    sequences: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[bool]],
+    indices: Sequence[int],
+    max_tokens: int,
+) -> list[Unit]:
+    """The sequences at `indices` as units for `build_batch`, sharing every context seen more than once.
+
+    A sequence's context is its tokens before its first loss token (a rollout's prompt). Sequences
+    with the same context become `SharedPrefix` units of at most `max_tokens` tokens each (members in
+    the order of `indices`, a new unit whenever the next member would not fit); the rest stay plain.
+    Units come in the order of their first member.
+    """
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        mask = loss_masks[i]
+        start = mask.index(True) if True in mask else len(mask)
+        by_context.setdefault(tuple(sequences[i][:start]), []).append(i)
+    units: list[Unit] = []
+    lengths = {i: len(sequences[i]) for i in indices}
+    for context, members in by_context.items():
+        if len(members) == 1 or not context:
+            units.extend(members)
+            continue
+        chunk: list[int] = []
+        tokens = len(context)
+        for i in members:
+            if chunk and tokens + lengths[i] - len(context) > max_tokens:
+                units.append(_shared_or_plain(chunk, len(context)))
+                chunk, tokens = [], len(context)
+            chunk.append(i)
+            tokens += lengths[i] - len(context)
+        units.append(_shared_or_plain(chunk, len(context)))
+    first_member = {i: position for position, i in enumerate(indices)}
+    return sorted(
+        units, key=lambda unit: first_member[unit.members[0] if isinstance(unit, SharedPrefix) else unit]
+    )
+
+
+def _shared_or_plain(members: list[int], length: int) -> Unit:
+    return SharedPrefix(tuple(members), length) if len(members) > 1 else members[0]
+
+
+@dataclass(frozen=True)
 class PackedBatch:
-    """Model inputs for rows of concatenated sequences (all tensors ``[R, T]``).
+    """Model inputs for rows of concatenated sequences (all tensors ``[R, T]`` unless noted).
 
     Attributes:
         input_ids: token ids; padding is `pad_token_id`.
-        position_ids: restart at 0 at every sequence; padding continues its row's last sequence.
-        sequence_ids: index of each token's sequence in the caller's list; -1 on padding.
+        position_ids: each sequence's own positions (restarting at 0; a shared prefix's members go on
+            from its end); padding continues its row's last sequence.
+        sequence_ids: index of each token's sequence in the caller's list (a shared prefix: its first
+            member's); -1 on padding.
         loss_mask: True on tokens whose logprob the loss uses (never the first token of a sequence).
-        segments: per row, ``(sequence index, length)`` of each sequence, in row order.
+        context_positions: the column of the same row whose hidden state predicts each token (the
+            previous one, or a shared prefix's last token for its members' first tokens).
+        spans: sequence index -> ``(row, start, stop)`` pieces of the row that hold its tokens, in order.
+        attention_mask: ``[R, 1, T, T]`` bool, True where a query may attend to a key, when a row holds
+            a shared prefix; otherwise None, and the model reads the sequences from the position ids.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     sequence_ids: torch.Tensor
     loss_mask: torch.Tensor
-    segments: tuple[tuple[tuple[int, int], ...], ...]
+    context_positions: torch.Tensor
+    spans: dict[int, tuple[tuple[int, int, int], ...]]
+    attention_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Real (non-padding) tokens."""
-        return sum(length for row in self.segments for _, length in row)
+        """Real (non-padding) tokens; a shared prefix counts once."""
+        return int((self.sequence_ids >= 0).sum())
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return replace(
@@ -98,28 +184,31 @@ class PackedBatch:
             position_ids=self.position_ids.to(device),
             sequence_ids=self.sequence_ids.to(device),
             loss_mask=self.loss_mask.to(device),
+            context_positions=self.context_positions.to(device),
+            attention_mask=None if self.attention_mask is None else self.attention_mask.to(device),
         )
 
 
 def build_batch(
     sequences: Sequence[Sequence[int]],
-    rows: Sequence[Sequence[int]],
+    rows: Sequence[Sequence[Unit]],
     loss_masks: Sequence[Sequence[bool]] | None = None,
     pad_token_id: int = 0,
 ) -> PackedBatch:
-    """Lay out ``sequences[i]`` for the indices of each row (e.g. a bin from `pack`) as one row.
+    """Lay out the units of each row (e.g. a bin from `pack`) end to end, one row each.
 
     Args:
         sequences: token ids of every sequence (prompt and completion).
-        rows: sequence indices per row; ``[[i] for i in ...]`` gives a plain right-padded batch.
+        rows: per row, its units: sequence indices (``[[i] for i in ...]`` gives a plain right-padded
+            batch) or `SharedPrefix` groups (see `share_prefixes`).
         loss_masks: per sequence and token, True where the loss uses the token's logprob (usually
             the generated tokens). The first token of a sequence has no context and must be False.
             None means every token but the first.
         pad_token_id: id written into padding.
     """
     if not rows or any(len(row) == 0 for row in rows):
-        raise ValueError("rows must be a non-empty list of non-empty lists of sequence indices")
-    used = [i for row in rows for i in row]
+        raise ValueError("rows must be a non-empty list of non-empty lists of units")
+    used = [i for row in rows for unit in row for i in _members(unit)]
     if len(set(used)) != len(used) or not all(0 <= i < len(sequences) for i in used):
         raise ValueError(f"rows must hold distinct sequence indices in 0..{len(sequences) - 1}")
     if loss_masks is None:
@@ -137,25 +226,80 @@ def build_batch(
             raise ValueError(
                 f"loss_masks[{i}][0] must be False: the first token has no context to predict it from"
             )
+    for unit in (unit for row in rows for unit in row if isinstance(unit, SharedPrefix)):
+        _check_shared_prefix(unit, sequences, loss_masks)
 
-    width = max(sum(len(sequences[i]) for i in row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    sequence_ids = torch.full((len(rows), width), -1, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    lengths = [len(s) for s in sequences]
+    width = max(sum(unit_tokens(unit, lengths) for unit in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    sequence_ids = torch.full(shape, -1, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
+    context_positions = (torch.arange(width) - 1).clamp(min=0).repeat(len(rows), 1)
+    shared = any(isinstance(unit, SharedPrefix) for row in rows for unit in row)
+    attention_mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1, 1) if shared else None
+    spans: dict[int, tuple[tuple[int, int, int], ...]] = {}
+
+    def place(r: int, i: int, start: int, tokens: slice) -> slice:
+        """Write the `tokens` of sequence i from column `start`; returns the columns written."""
+        columns = slice(start, start + tokens.stop - tokens.start)
+        input_ids[r, columns] = torch.as_tensor(sequences[i][tokens], dtype=torch.long)
+        position_ids[r, columns] = torch.arange(tokens.start, tokens.stop)
+        sequence_ids[r, columns] = i
+        loss_mask[r, columns] = torch.as_tensor(loss_masks[i][tokens], dtype=torch.bool)
+        if attention_mask is not None:
+            attention_mask[r, 0, columns, columns] = _causal(columns.stop - columns.start)
+        return columns
+
     for r, row in enumerate(rows):
         offset = 0
-        for i in row:
-            span = slice(offset, offset + len(sequences[i]))
-            input_ids[r, span] = torch.as_tensor(sequences[i], dtype=torch.long)
-            position_ids[r, span] = torch.arange(len(sequences[i]))
-            sequence_ids[r, span] = i
-            loss_mask[r, span] = torch.as_tensor(loss_masks[i], dtype=torch.bool)
-            offset += len(sequences[i])
-        last_start = offset - len(sequences[row[-1]])
-        position_ids[r, offset:] = torch.arange(offset - last_start, width - last_start)
-    segments = tuple(tuple((i, len(sequences[i])) for i in row) for row in rows)
-    return PackedBatch(input_ids, position_ids, sequence_ids, loss_mask, segments)
+        for unit in row:
+            if isinstance(unit, SharedPrefix):
+                prefix = place(r, unit.members[0], offset, slice(0, unit.length))
+                offset = prefix.stop
+                for i in unit.members:
+                    own = place(r, i, offset, slice(unit.length, lengths[i]))
+                    context_positions[r, own.start] = prefix.stop - 1
+                    if attention_mask is not None:
+                        attention_mask[r, 0, own, prefix] = True
+                    spans[i] = ((r, prefix.start, prefix.stop), (r, own.start, own.stop))
+                    offset = own.stop
+            else:
+                own = place(r, unit, offset, slice(0, lengths[unit]))
+                spans[unit] = ((r, own.start, own.stop),)
+                offset = own.stop
+        next_position = int(position_ids[r, offset - 1]) + 1
+        position_ids[r, offset:] = torch.arange(next_position, next_position + width - offset)
+    return PackedBatch(
+        input_ids, position_ids, sequence_ids, loss_mask, context_positions, spans, attention_mask
+    )
+
+
+def _members(unit: Unit) -> tuple[int, ...]:
+    return unit.members if isinstance(unit, SharedPrefix) else (unit,)
+
+
+def _check_shared_prefix(
+    unit: SharedPrefix, sequences: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]]
+) -> None:
+    first = unit.members[0]
+    prefix = list(sequences[first][: unit.length])
+    for i in unit.members:
+        if not 1 <= unit.length < len(sequences[i]):
+            raise ValueError(
+                f"SharedPrefix length {unit.length} must be in 1..{len(sequences[i]) - 1} (sequences[{i}])"
+            )
+        if list(sequences[i][: unit.length]) != prefix:
+            raise ValueError(
+                f"sequences[{i}] does not begin with the {unit.length} tokens of sequences[{first}]"
+            )
+        if any(loss_masks[i][: unit.length]):
+            raise ValueError(f"loss_masks[{i}] has loss tokens in the shared prefix of {unit.length} tokens")
+
+
+def _causal(size: int) -> torch.Tensor:
+    return torch.ones(size, size, dtype=torch.bool).tril()
 
 
 def pack_values(
@@ -166,34 +310,34 @@ def pack_values(
 ) -> torch.Tensor:
     """Lay out per-token values (e.g. inference logprobs) of each sequence like `batch` -> ``[R, T]``.
 
-    ``values[i]`` has one entry per token of sequence ``i``; padding gets `fill`.
+    ``values[i]`` has one entry per token of sequence ``i``; padding gets `fill`. A shared prefix
+    gets its first member's values (all members' are the same for anything computed from the tokens).
     """
     out = torch.full(batch.input_ids.shape, fill, dtype=dtype)
-    for r, row in enumerate(batch.segments):
+    for i, pieces in batch.spans.items():
+        length = sum(stop - start for _, start, stop in pieces)
+        if len(values[i]) != length:
+            raise ValueError(f"values[{i}] has {len(values[i])} entries for a sequence of {length} tokens")
         offset = 0
-        for i, length in row:
-            if len(values[i]) != length:
-                raise ValueError(
-                    f"values[{i}] has {len(values[i])} entries for a sequence of {length} tokens"
-                )
-            out[r, offset : offset + length] = torch.as_tensor(values[i], dtype=dtype)
-            offset += length
+        for row, start, stop in pieces:
+            if batch.sequence_ids[row, start] == i:  # a shared prefix is written by its first member only
+                out[row, start:stop] = torch.as_tensor(values[i][offset : offset + stop - start], dtype=dtype)
+            offset += stop - start
     return out.to(batch.input_ids.device)
 
 
 def unpack(values: torch.Tensor, batch: PackedBatch) -> dict[int, torch.Tensor]:
     """Split per-token outputs ``[R, T, ...]`` of a packed batch back into one tensor per sequence.
 
-    Returns ``{sequence index: values of its tokens}``; padding is dropped.
+    Returns ``{sequence index: values of its tokens}`` (a shared prefix's values in each of its
+    members); padding is dropped.
     """
     if values.shape[:2] != batch.input_ids.shape:
         raise ValueError(
             f"values has shape {tuple(values.shape)}, the batch is {tuple(batch.input_ids.shape)}"
         )
     out: dict[int, torch.Tensor] = {}
-    for r, row in enumerate(batch.segments):
-        offset = 0
-        for i, length in row:
-            out[i] = values[r, offset : offset + length]
-            offset += length
+    for i, pieces in batch.spans.items():
+        parts = [values[row, start:stop] for row, start, stop in pieces]
+        out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out

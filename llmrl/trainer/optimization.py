@@ -34,7 +34,16 @@ from torch.distributed.tensor import DTensor
 
 from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.losses import policy_loss
-from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, unpack
+from llmrl.algorithms.packing import (
+    PackedBatch,
+    Unit,
+    build_batch,
+    pack,
+    pack_values,
+    share_prefixes,
+    unit_tokens,
+    unpack,
+)
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.logging import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
@@ -91,12 +100,17 @@ class PolicyUpdate:
         self.pad_token_id = pad_token_id
         self.reference = reference
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
+        self.share_prefixes = training.share_prefixes
+        # A unit longer than this (a rollout of its own) gets a row of its own.
+        self._row_limit = min(training.pack_row_tokens, training.micro_batch_tokens)
         # Rollouts generated ahead of training come from older weights: correct by default.
         automatic = "truncate" if training.generation_lag > 0 else None
         self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
         self.device = next(policy.parameters()).device
         self._policy_forward = policy if distributed is None else ShardedCausalLM(policy)
-        self._reference_forward = reference if distributed is None or reference is None else ShardedCausalLM(reference)
+        self._reference_forward = (
+            reference if distributed is None or reference is None else ShardedCausalLM(reference)
+        )
 
     def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
         """Train on `batch`; returns the metrics (token-weighted means over the step)."""
@@ -108,9 +122,16 @@ class PolicyUpdate:
         is_forwarded = set(forwarded)
         separate_old = self.training.iterations > 1 or self.training.mini_batches > 1
         with trace_span("logprobs", old=separate_old, reference=self.reference is not None):
-            old = self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded) if separate_old else None
-            ref = (self._sequence_logprobs(self._reference_forward, sequences, masks, forwarded)
-                   if self.reference else None)
+            old = (
+                self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded)
+                if separate_old
+                else None
+            )
+            ref = (
+                self._sequence_logprobs(self._reference_forward, sequences, masks, forwarded)
+                if self.reference
+                else None
+            )
         inference = batch.inference_logprobs
         advantages = batch.advantages.to(self.device)
         totals = _MetricTotals()
@@ -154,30 +175,36 @@ class PolicyUpdate:
         for k in range(count):
             yield order[k * size // count : (k + 1) * size // count]
 
-    def _micro_batches(
+    def _units(
         self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int]
+    ) -> list[Unit]:
+        """The sequences at `indices` as packing units: the rollouts of one prompt share it when enabled."""
+        if not self.share_prefixes:
+            return list(indices)
+        return share_prefixes(sequences, masks, indices, self._row_limit)
+
+    def _micro_batches(
+        self, sequences: list[list[int]], masks: list[list[bool]], units: list[Unit]
     ) -> Iterator[PackedBatch]:
-        """Packed micro-batches of the sequences at `indices`: rows of at most `pack_row_tokens`
-        tokens (or the longest sequence), as many rows per micro-batch as fit `micro_batch_tokens`."""
-        lengths = [len(sequences[i]) for i in indices]
-        row_limit = min(self.training.pack_row_tokens, self.training.micro_batch_tokens)
-        rows = pack(lengths, max(row_limit, *lengths))
-        chosen: list[list[int]] = []
+        """Packed micro-batches of `units`: rows of at most `pack_row_tokens` tokens (or the longest
+        sequence), as many rows per micro-batch as fit `micro_batch_tokens`."""
+        unit_lengths = [unit_tokens(unit, [len(s) for s in sequences]) for unit in units]
+        rows = pack(unit_lengths, max(self._row_limit, *unit_lengths))
+        chosen: list[list[Unit]] = []
         width = 0
         for row in rows:  # first-fit-decreasing: the fullest rows come first
-            row_tokens = sum(lengths[j] for j in row)
+            row_tokens = sum(unit_lengths[j] for j in row)
             if chosen and max(width, row_tokens) * (len(chosen) + 1) > self.training.micro_batch_tokens:
-                yield self._build(sequences, masks, indices, chosen)
+                yield self._build(sequences, masks, chosen)
                 chosen, width = [], 0
-            chosen.append(row)
+            chosen.append([units[j] for j in row])
             width = max(width, row_tokens)
         if chosen:
-            yield self._build(sequences, masks, indices, chosen)
+            yield self._build(sequences, masks, chosen)
 
     def _build(
-        self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int], rows: list[list[int]]
+        self, sequences: list[list[int]], masks: list[list[bool]], rows: list[list[Unit]]
     ) -> PackedBatch:
-        rows = [[indices[j] for j in row] for row in rows]
         return build_batch(sequences, rows, masks, self.pad_token_id).to(self.device)
 
     def _rank_micro_batches(
@@ -185,22 +212,29 @@ class PolicyUpdate:
     ) -> Iterator[PackedBatch | None]:
         """This rank's micro-batches of the sequences at `indices`, then None for each pass it must
         run idle to match the rank with the most (all of them on one process)."""
+        units = self._units(sequences, masks, indices)
         if self.distributed is None:
-            yield from self._micro_batches(sequences, masks, indices)
+            yield from self._micro_batches(sequences, masks, units)
             return
-        shares = split_by_tokens([len(sequences[i]) for i in indices], self.distributed.world_size)
-        mine = [indices[p] for p in shares[self.distributed.rank]]
+        lengths = [len(s) for s in sequences]
+        shares = split_by_tokens([unit_tokens(unit, lengths) for unit in units], self.distributed.world_size)
+        mine = [units[p] for p in shares[self.distributed.rank]]
         batches = list(self._micro_batches(sequences, masks, mine)) if mine else []
         passes = self.distributed.max_count(len(batches))  # before any pass: a collective itself
         yield from batches
         yield from [None] * (passes - len(batches))
 
     def _idle_pass(
-        self, model: torch.nn.Module | ShardedCausalLM, sequences: list[list[int]], masks: list[list[bool]], index: int,
-        *, backward: bool,
+        self,
+        model: torch.nn.Module | ShardedCausalLM,
+        sequences: list[list[int]],
+        masks: list[list[bool]],
+        index: int,
+        *,
+        backward: bool,
     ) -> None:
         """A forward (and backward) pass that changes nothing, for FSDP's collectives to match up."""
-        packed = self._build(sequences, masks, [index], [[0]])
+        packed = self._build(sequences, masks, [[index]])
         with torch.set_grad_enabled(backward):
             logprobs, _ = token_logprobs(model, packed, self.temperature)
             if backward:
@@ -240,7 +274,9 @@ class PolicyUpdate:
         inference: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.algorithm
-        logprobs, entropies = token_logprobs(self._policy_forward, packed, self.temperature, with_entropy=True)
+        logprobs, entropies = token_logprobs(
+            self._policy_forward, packed, self.temperature, with_entropy=True
+        )
         if algorithm.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
         return policy_loss(
@@ -322,8 +358,11 @@ class _MetricTotals:
         combined = cls()
         for part in parts:
             combined._tokens += part._tokens
-            for target, source in ((combined._weighted, part._weighted), (combined._sums, part._sums),
-                                   (combined._counts, part._counts)):
+            for target, source in (
+                (combined._weighted, part._weighted),
+                (combined._sums, part._sums),
+                (combined._counts, part._counts),
+            ):
                 for key, value in source.items():
                     target[key] = target.get(key, 0.0) + value
             for key, value in part._maxima.items():

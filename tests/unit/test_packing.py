@@ -9,7 +9,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.algorithms.logprobs import token_logprobs
-from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, packing_efficiency, unpack
+from llmrl.algorithms.packing import (
+    PackedBatch,
+    SharedPrefix,
+    build_batch,
+    pack,
+    pack_values,
+    packing_efficiency,
+    share_prefixes,
+    unit_tokens,
+    unpack,
+)
 
 
 def reference_first_fit_decreasing(lengths, max_tokens, max_sequences=None):
@@ -75,7 +85,9 @@ def test_build_batch_layout():
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
     assert batch.sequence_ids.tolist() == [[0, 0, 0, 1, 1], [2, 2, 2, 2, -1]]
     assert batch.loss_mask.tolist() == [[False, True, True, False, True], [False, False, True, True, False]]
-    assert batch.segments == (((0, 3), (1, 2)), ((2, 4),))
+    assert batch.spans == {0: ((0, 0, 3),), 1: ((0, 3, 5),), 2: ((1, 0, 4),)}
+    assert batch.context_positions[0].tolist() == [0, 0, 1, 2, 3]  # column j is predicted from j - 1
+    assert batch.attention_mask is None  # transformers reads the sequences from the position ids
     assert batch.num_tokens == 9
     # Default mask: every token but each sequence's first.
     assert build_batch(sequences, [[0, 1]]).loss_mask.tolist() == [[False, True, True, False, True]]
@@ -101,6 +113,67 @@ def test_build_batch_rejects_bad_input():
         build_batch([[1, 2]], [[0]], [[False]])
     with pytest.raises(ValueError, match="values"):
         pack_values([[1.0]], build_batch([[1, 2]], [[0]]))
+
+
+def test_share_prefixes_groups_sequences_by_their_context():
+    prompt, other = [5, 6, 7], [8, 9]
+    sequences = [prompt + [1, 2], other + [3], prompt + [4], prompt + [1, 1, 1, 1], other + [6, 6], [2, 2]]
+    masks = [[False] * (len(p)) + [True] * (len(s) - len(p)) for p, s in zip(
+        [prompt, other, prompt, prompt, other, [2]], sequences, strict=True)]  # fmt: skip
+    units = share_prefixes(sequences, masks, range(6), max_tokens=100)
+    assert units == [SharedPrefix((0, 2, 3), 3), SharedPrefix((1, 4), 2), 5]
+    assert [unit_tokens(u, [len(s) for s in sequences]) for u in units] == [3 + 2 + 1 + 4, 2 + 1 + 2, 2]
+    # A unit never exceeds max_tokens: the third member of the prompt opens a unit of its own (alone: plain).
+    assert share_prefixes(sequences, masks, [0, 2, 3], max_tokens=7) == [SharedPrefix((0, 2), 3), 3]
+    # Only the indices asked for, in their order.
+    assert share_prefixes(sequences, masks, [4, 0, 1], max_tokens=100) == [SharedPrefix((4, 1), 2), 0]
+
+
+def test_build_batch_lays_a_shared_prefix_out_once():
+    sequences = [[11, 12, 13, 21], [11, 12, 13, 31, 32], [41, 42]]
+    masks = [[False, False, False, True], [False, False, False, True, True], [False, True]]
+    batch = build_batch(sequences, [[SharedPrefix((0, 1), 3), 2]], masks, pad_token_id=99)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 31, 32, 41, 42]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]
+    assert batch.sequence_ids.tolist() == [[0, 0, 0, 0, 1, 1, 2, 2]]
+    assert batch.loss_mask.tolist() == [[False, False, False, True, True, True, False, True]]
+    # Both members' first tokens are predicted from the prompt's last token (column 2).
+    assert batch.context_positions.tolist() == [[0, 0, 1, 2, 2, 4, 5, 6]]
+    assert batch.num_tokens == 8 and batch.spans[1] == ((0, 0, 3), (0, 4, 6))
+    allowed = batch.attention_mask[0, 0].int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],  # member 0 sees the prompt and itself
+        [1, 1, 1, 0, 1, 0, 0, 0],  # member 1 sees the prompt, not member 0
+        [1, 1, 1, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 1, 0],  # a plain sequence in the same row sees only itself
+        [0, 0, 0, 0, 0, 0, 1, 1],
+    ]
+    values = [[float(10 * i + t) for t in range(len(s))] for i, s in enumerate(sequences)]
+    recovered = {i: v.tolist() for i, v in unpack(pack_values(values, batch), batch).items()}
+    assert recovered == {
+        0: values[0],
+        1: values[0][:3] + values[1][3:],
+        2: values[2],
+    }  # the prefix: member 0's
+    assert {i: v.tolist() for i, v in unpack(batch.input_ids, batch).items()} == dict(enumerate(sequences))
+
+
+@pytest.mark.parametrize(
+    ("unit", "message"),
+    [
+        (SharedPrefix((0, 1), 2), "does not begin"),
+        (SharedPrefix((0, 2), 2), "loss tokens in the shared prefix"),
+        (SharedPrefix((0, 3), 2), r"must be in 1\.\.1"),
+    ],
+)
+def test_build_batch_rejects_bad_shared_prefixes(unit, message):
+    sequences = [[1, 2, 3], [1, 9, 3], [1, 2, 3], [1, 2]]
+    masks = [[False, False, True], [False, False, True], [False, True, True], [False, False]]
+    with pytest.raises(ValueError, match=message):
+        build_batch(sequences, [[unit]], masks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +253,63 @@ def test_packed_gradients_equal_separate_gradients():
     sum(alone_logprobs(model, s).sum() for s in sequences).backward()
     for packed_grad, parameter in zip(packed_grads, model.parameters(), strict=True):
         torch.testing.assert_close(packed_grad, parameter.grad, rtol=1e-4, atol=1e-5)
+
+
+def grouped_sequences(
+    seed: int, groups: int = 3, group_size: int = 4
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """GRPO-shaped sequences: `groups` prompts with `group_size` completions each, and their loss masks."""
+    prompts = random_sequences(seed, count=groups, longest=20)
+    completions = random_sequences(seed + 100, count=groups * group_size, longest=12)
+    sequences = [
+        prompts[g] + [1] + completions[g * group_size + k] for g in range(groups) for k in range(group_size)
+    ]
+    masks = [[False] * (len(prompts[g]) + 1) + [True] * (len(s) - len(prompts[g]) - 1)
+             for g in range(groups) for s in sequences[g * group_size : (g + 1) * group_size]]  # fmt: skip
+    return sequences, masks
+
+
+def shared_batch(sequences, masks, max_tokens: int) -> PackedBatch:
+    units = share_prefixes(sequences, masks, range(len(sequences)), max_tokens)
+    assert any(isinstance(u, SharedPrefix) for u in units)
+    bins = pack([unit_tokens(u, [len(s) for s in sequences]) for u in units], max_tokens)
+    return build_batch(sequences, [[units[j] for j in row] for row in bins], masks)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_shared_prefix_logprobs_equal_each_sequence_alone(architecture, attn_implementation):
+    model = random_causal_lm(architecture, attn_implementation)
+    sequences, masks = grouped_sequences(seed=4)
+    batch = shared_batch(sequences, masks, max_tokens=60)
+    assert batch.num_tokens < sum(len(s) for s in sequences)  # really shared
+    with torch.no_grad():
+        packed = unpack(token_logprobs(model, batch, temperature=0.8)[0], batch)
+        for i, sequence in enumerate(sequences):
+            start = masks[i].index(True)
+            expected = alone_logprobs(model, sequence)[start - 1 :]
+            torch.testing.assert_close(packed[i][start:], expected, rtol=0, atol=1e-5)
+            assert not packed[i][:start].any()  # no logprob outside the loss mask
+
+
+def test_shared_prefix_gradients_equal_separate_gradients():
+    model = random_causal_lm("qwen2", "sdpa")
+    sequences, masks = grouped_sequences(seed=5)
+    weights = torch.rand(len(sequences), 40, generator=torch.Generator().manual_seed(0))
+    batch = shared_batch(sequences, masks, max_tokens=200)
+    logprobs, _ = token_logprobs(model, batch, temperature=0.8, chunk_size=16)
+    (
+        logprobs
+        * pack_values([w[: len(s)].tolist() for w, s in zip(weights, sequences, strict=False)], batch)
+    ).sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    sum(
+        (alone_logprobs(model, s)[m.index(True) - 1 :] * w[m.index(True) : len(s)]).sum()
+        for s, m, w in zip(sequences, masks, weights, strict=True)
+    ).backward()
+    for shared_grad, parameter in zip(shared_grads, model.parameters(), strict=True):
+        torch.testing.assert_close(shared_grad, parameter.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
