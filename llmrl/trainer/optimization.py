@@ -53,10 +53,14 @@ from llmrl.trainer.rollouts import RolloutBatch
 def build_optimizer(
     model: torch.nn.Module, training: TrainingConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable parameters and its schedule, stepped once per RL step."""
+    """AdamW over the trainable parameters and its schedule, stepped once per RL step.
+
+    The fused kernel: torch picks the per-parameter loop on CPU otherwise, which took 3.7 ms per step
+    on the tiny model against 0.7 ms fused (8-33 ms against 0.8 ms on a busy machine).
+    """
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        parameters, lr=training.lr, betas=training.adam_betas, weight_decay=training.weight_decay
+        parameters, lr=training.lr, betas=training.adam_betas, weight_decay=training.weight_decay, fused=True
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, training))
 

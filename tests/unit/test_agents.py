@@ -1,6 +1,7 @@
 """RewardOnlyAgent: batched requests, token bookkeeping, multi-turn exactness, failure isolation, splits."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -166,6 +167,28 @@ def test_a_hanging_reward_times_out_without_holding_up_the_batch():
     assert time.monotonic() - start < 1.5  # the three hung threads are abandoned, not awaited
     assert [[r.status for r in g.rollouts] for g in groups] == [["placeholder", "ok"]] * 3
     assert groups[0].rollouts[0].failure_reason == "reward: timed out after 0.2 s"
+
+
+def test_env_workers_are_reused_and_a_hung_call_keeps_only_its_own():
+    from llmrl.agents.reward_only import _DaemonWorkers
+
+    workers = _DaemonWorkers(idle_s=0.3)
+    release = threading.Event()
+    done: list[int] = []
+    workers.submit(release.wait)  # hangs until released: its worker stays busy
+    for round_ in range(3):
+        finished = threading.Event()
+        workers.submit(lambda r=round_, event=finished: (done.append(r), event.set()))
+        assert finished.wait(2)
+        time.sleep(0.01)  # the worker goes back to idle after its job
+    # One worker for the hung call and one reused by the three others.
+    assert sum(t.name == "llmrl-env" for t in threading.enumerate()) >= 2
+    assert len(workers._idle) == 1 and done == [0, 1, 2]
+    release.set()
+    deadline = time.monotonic() + 3
+    while workers._idle and time.monotonic() < deadline:  # idle workers exit after idle_s
+        time.sleep(0.05)
+    assert workers._idle == []
 
 
 def test_inference_failures_and_timeouts_replace_only_their_group():
