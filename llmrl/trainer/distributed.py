@@ -14,12 +14,18 @@ number of them: a rank with fewer micro-batches than the others runs zero-weight
 (`PolicyUpdate` asks `max_count` how many).
 
 Teardown, in this order and before the interpreter exits: the rollout worker thread is joined
-(the pipeline closes first), then `close` waits for every rank at a barrier and destroys the
-process group. An abort at exit ("terminate called without an active exception") is what C++ does
-when a thread that is still running or joinable is torn down: a process group left to be destroyed
-at interpreter shutdown, while its peers are gone, or a daemon thread killed inside a torch kernel
-(why the inference engine's thread is not a daemon). After an error a rank leaves without the
-barrier, which its peers may never reach; torchrun then ends them.
+(the pipeline closes first), then `close` waits for every rank at a barrier and destroys the process
+group. After an error a rank leaves without the barrier, which its peers may never reach (torchrun
+then ends them); a peer whose barrier fails because the failed rank has gone still destroys the
+group. The group must be destroyed before the interpreter exits. Observed with gloo (torch 2.13,
+Python 3.11): a process that ends right after a collective without destroying its group aborts at
+exit ("terminate called without an active exception") in about a quarter of runs. The backtrace: a
+gloo worker thread (``ProcessGroupGloo::runLoop``) drops the finished collective's work, whose
+tensors have Python objects; releasing them takes the GIL, a thread that asks for it while the
+interpreter finalizes is ended with ``pthread_exit``, and that unwinds through a C++ destructor,
+which calls ``std::terminate``. The same abort comes, every time, from a daemon thread still inside
+a torch op at exit, with or without a process group (why the inference engine's thread is not a
+daemon: Python joins the other threads before it finalizes).
 """
 
 from __future__ import annotations
@@ -107,7 +113,11 @@ class Distributed:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), device)
+        try:
+            return cls(dist.get_rank(), dist.get_world_size(), device)
+        except BaseException:
+            dist.destroy_process_group()  # never exit with the group alive (module docstring)
+            raise
 
     @property
     def is_main(self) -> bool:
@@ -164,8 +174,14 @@ class Distributed:
         dist.barrier()
 
     def close(self, *, wait: bool = True) -> None:
-        """Leave the process group (see the module docstring); with `wait`, once every rank is done."""
-        if dist.is_initialized():
+        """Leave the process group (see the module docstring); with `wait`, once every rank is done.
+
+        The group is destroyed even when the barrier fails (a peer that failed has left without it).
+        """
+        if not dist.is_initialized():
+            return
+        try:
             if wait:
                 dist.barrier()
+        finally:
             dist.destroy_process_group()

@@ -93,15 +93,26 @@ def test_the_exported_folder_loads_with_transformers(runs):
         torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_mini_batches_with_old_policy_logprobs_match_one_process(tmp_path, tiny_model_path):
-    """Two optimizer steps per RL step: the pi_old pass is shared out over the ranks and gathered back."""
-    settings = ["training.steps=2", "training.mini_batches=2", "checkpoint.every=0"]
+@pytest.mark.parametrize(
+    ("settings", "optimizer_steps"),
+    [
+        pytest.param(["training.mini_batches=2"], 2, id="mini-batches"),
+        pytest.param(["training.mini_batches=2", "training.iterations=2", "algorithm.kl_beta=0.04"], 4,
+                     id="iterations-and-reference-kl"),
+    ],
+)  # fmt: skip
+def test_old_policy_and_reference_logprobs_match_one_process(
+    tmp_path, tiny_model_path, settings, optimizer_steps
+):
+    """Several optimizer steps per RL step: the pi_old pass (and the sharded reference model's pass, with
+    a KL term) is shared out over the ranks and gathered back, then reused by every later update."""
     for processes in (1, 2):
-        train(tmp_path / str(processes), processes, *settings)
+        train(tmp_path / str(processes), processes, "training.steps=2", "checkpoint.every=0", *settings)
     one, two = read_metrics(tmp_path / "1" / "metrics.jsonl"), read_metrics(tmp_path / "2" / "metrics.jsonl")
-    for key in ("train/loss", "train/approx_kl", "train/grad_norm", "train/optimizer_steps"):
+    for key in ("train/loss", "train/kl", "train/approx_kl", "train/grad_norm", "train/optimizer_steps"):
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-7), key
-    assert one[0]["train/optimizer_steps"] == 2
+    assert one[0]["train/optimizer_steps"] == optimizer_steps
+    assert all(row["train/kl"] > 1e-4 for row in one)  # the compared KL is real, not zeros
 
 
 @pytest.mark.parametrize(("written_by", "resumed_by"), [(2, 1), (1, 2)])
@@ -136,3 +147,33 @@ def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_pa
     assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]
     assert (run / "checkpoints" / f"step_{saved[0]:06d}" / "sharded").is_dir()
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+# Rank 0 fails and leaves without the barrier; rank 1's barrier then fails for want of its peer.
+PEER_FAILED_SCRIPT = """
+import torch.distributed as dist
+from llmrl.trainer.distributed import Distributed
+
+distributed = Distributed.from_env("cpu")
+if distributed.rank == 0:
+    distributed.close(wait=False)  # what a failing rank does
+else:
+    try:
+        distributed.close()
+    except RuntimeError:
+        print("rank 1: the barrier failed")
+    print(f"rank 1: process group alive after close: {dist.is_initialized()}")
+"""
+
+
+def test_a_rank_whose_peer_failed_still_leaves_the_process_group(tmp_path):
+    """`close` destroys the process group even when its barrier fails: a process that exits with the
+    group alive can abort at interpreter shutdown (see `llmrl.trainer.distributed`)."""
+    script = tmp_path / "peer_failed.py"
+    script.write_text(PEER_FAILED_SCRIPT)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    output = result.stdout + result.stderr
+    assert "rank 1: the barrier failed" in output, output[-4000:]
+    assert "rank 1: process group alive after close: False" in output, output[-4000:]
+    assert "terminate called" not in output, output[-4000:]
