@@ -22,9 +22,7 @@ from llmrl.types import RolloutGroup, TokenRollout
 VOCAB = 48
 
 
-def rollout(
-    prompt: list[int], completion: list[int], reward: float, *, env="env", truncated=False
-) -> TokenRollout:
+def rollout(prompt: list[int], completion: list[int], reward: float, *, env="env", truncated=False) -> TokenRollout:
     return TokenRollout(
         trajectory=[prompt, completion],
         generation_mask=[[False] * len(prompt), [True] * len(completion)],
@@ -42,12 +40,7 @@ def random_groups(num_groups: int, group_size: int, seed: int = 0, env="env") ->
     for g in range(num_groups):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
         rollouts = [
-            rollout(
-                prompt,
-                [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))],
-                float(rng.random() < 0.5),
-                env=env,
-            )
+            rollout(prompt, [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))], float(rng.random() < 0.5), env=env)
             for _ in range(group_size)
         ]
         groups.append(RolloutGroup(group_id=f"{env}/{g}", rollouts=rollouts))
@@ -56,15 +49,8 @@ def random_groups(num_groups: int, group_size: int, seed: int = 0, env="env") ->
 
 def tiny_policy(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return Qwen2ForCausalLM(config).float()
 
 
@@ -74,16 +60,8 @@ def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None):
     policy = tiny_policy(seed)
     # Plain SGD: Adam's first step is about lr * sign(gradient), which would magnify rounding noise.
     optimizer = torch.optim.SGD(policy.parameters(), lr=training.lr)
-    update = PolicyUpdate(
-        policy,
-        optimizer,
-        algorithm=algorithm,
-        training=training,
-        temperature=1.0,
-        max_tokens=8,
-        pad_token_id=0,
-        reference=tiny_policy(seed + 1) if algorithm.kl_beta else None,
-    )
+    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, temperature=1.0,
+                          max_tokens=8, pad_token_id=0, reference=tiny_policy(seed + 1) if algorithm.kl_beta else None)
     if skip is not None:
         update.skip_zero_advantage = skip
     batch, _ = prepare_batch(groups, group_size=len(groups[0].rollouts), algorithm=algorithm, max_tokens=8)
@@ -114,9 +92,7 @@ def test_mask_truncated_drops_truncated_rollouts_from_the_loss_but_not_from_the_
     group = RolloutGroup(group_id="g", rollouts=[
         rollout(prompt, [3] * 8, 0.0, truncated=True), rollout(prompt, [4], 1.0),
     ])  # fmt: skip
-    kept, advantages = prepare_batch(
-        [group], group_size=2, algorithm=AlgorithmConfig(mask_truncated=True), max_tokens=8
-    )
+    kept, advantages = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(mask_truncated=True), max_tokens=8)
     assert [r.num_generated for r in kept.rollouts] == [1] and advantages[0] < 0 < advantages[1]
     everything, _ = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
     assert len(everything) == 2
@@ -124,9 +100,7 @@ def test_mask_truncated_drops_truncated_rollouts_from_the_loss_but_not_from_the_
 
 def test_overlong_penalty_turns_equal_rewards_into_a_length_signal():
     prompt = [1, 2]
-    group = RolloutGroup(
-        group_id="g", rollouts=[rollout(prompt, [3] * 8, 1.0), rollout(prompt, [4] * 2, 1.0)]
-    )
+    group = RolloutGroup(group_id="g", rollouts=[rollout(prompt, [3] * 8, 1.0), rollout(prompt, [4] * 2, 1.0)])
     _, plain = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
     shaped_config = AlgorithmConfig(overlong_buffer=4, overlong_penalty=0.5)
     _, shaped = prepare_batch([group], group_size=2, algorithm=shaped_config, max_tokens=8)
@@ -167,11 +141,7 @@ def test_rollout_metrics_per_environment():
 def test_micro_batch_size_does_not_change_the_update():
     groups = random_groups(4, 4)
     big, big_metrics = run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=4096))
-    layouts = (
-        {"micro_batch_tokens": 12},
-        {"micro_batch_tokens": 40, "pack_row_tokens": 10},
-        {"share_prefixes": False},
-    )
+    layouts = ({"micro_batch_tokens": 12}, {"micro_batch_tokens": 40, "pack_row_tokens": 10}, {"share_prefixes": False})
     for layout in layouts:
         small, small_metrics = run_update(groups, training=TrainingConfig(lr=0.5, **layout))
         assert_same_weights(big, small)
@@ -183,15 +153,8 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     groups = random_groups(6, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
     training = TrainingConfig(micro_batch_tokens=40, pack_row_tokens=10)
-    update = PolicyUpdate(
-        tiny_policy(),
-        None,
-        algorithm=AlgorithmConfig(),
-        training=training,
-        temperature=1.0,
-        max_tokens=8,
-        pad_token_id=0,
-    )
+    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, temperature=1.0,
+                          max_tokens=8, pad_token_id=0)
     packed = list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
     longest = max(len(s) for s in batch.sequences)
     assert all(p.input_ids.numel() <= 40 and p.input_ids.shape[1] <= max(10, longest) for p in packed)
@@ -222,9 +185,7 @@ def test_a_step_without_signal_leaves_the_weights_alone():
 def test_single_pass_ratio_is_one_and_extra_passes_move_it():
     groups = random_groups(4, 4)
     _, one = run_update(groups)
-    assert one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and one["approx_kl"] == pytest.approx(
-        0.0, abs=1e-9
-    )
+    assert one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and one["approx_kl"] == pytest.approx(0.0, abs=1e-9)
     _, several = run_update(groups, training=TrainingConfig(lr=0.5, iterations=2, mini_batches=2))
     assert several["optimizer_steps"] == 4
     assert several["approx_kl"] > 0  # later mini-batches see a policy that moved since pi_old
@@ -240,9 +201,7 @@ def test_gradient_matches_the_plain_formula():
     loss = 0.0
     for r, advantage in zip(batch.rollouts, batch.advantages, strict=True):
         ids = torch.tensor([r.tokens])
-        logprobs = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[
-            :, 0
-        ]
+        logprobs = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
         mask = torch.tensor(r.mask[1:])
         loss = loss - advantage * logprobs[mask].sum()
     (loss / 3).backward()  # token_mean over the 3 completion tokens
@@ -257,9 +216,7 @@ def test_kl_penalty_uses_the_reference_model():
 
 
 def test_rollout_longer_than_the_micro_batch_budget_is_a_clear_error():
-    groups = [
-        RolloutGroup(group_id="g", rollouts=[rollout([1] * 10, [3] * 5, 1.0), rollout([1] * 10, [4], 0.0)])
-    ]
+    groups = [RolloutGroup(group_id="g", rollouts=[rollout([1] * 10, [3] * 5, 1.0), rollout([1] * 10, [4], 0.0)])]
     with pytest.raises(ValueError, match=r"training.micro_batch_tokens: a rollout of 15 tokens"):
         run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=12))
 
@@ -283,15 +240,8 @@ class FakeTokenizer:
 
 
 def save(run_dir, step, keep_last=2, **state):
-    return ckpt.save_checkpoint(
-        run_dir,
-        step,
-        model=tiny_policy(),
-        tokenizer=FakeTokenizer(),
-        trainer_state={"step": step, **state},
-        config_yaml="seed: 0\n",
-        keep_last=keep_last,
-    )
+    return ckpt.save_checkpoint(run_dir, step, model=tiny_policy(), tokenizer=FakeTokenizer(),
+                                trainer_state={"step": step, **state}, config_yaml="seed: 0\n", keep_last=keep_last)
 
 
 def test_checkpoints_keep_the_last_k_and_ignore_half_written_ones(tmp_path):
@@ -346,9 +296,7 @@ def test_sharded_state_resumes_in_one_process(tmp_path):
     assert ckpt.has_sharded_state(tmp_path)
     restored = tiny_policy(seed=1)
     restored_optimizer, _ = build_optimizer(restored, TrainingConfig(lr=1e-3))
-    assert ckpt.load_optimizer(
-        tmp_path, {"sharded_optimizer": True}, restored, restored_optimizer, sharded_model=False
-    )
+    assert ckpt.load_optimizer(tmp_path, {"sharded_optimizer": True}, restored, restored_optimizer, sharded_model=False)
     assert_same_weights(restored, policy, atol=0)
     expected, actual = optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"]
     assert torch.equal(actual[0]["exp_avg"], expected[0]["exp_avg"]) and float(actual[0]["step"]) == 1.0
@@ -378,30 +326,9 @@ def test_split_by_tokens_balances_and_keeps_every_position_once():
 
 def test_metric_totals_of_shares_combine_into_the_totals_of_the_whole():
     micro_batches = [
-        {
-            "loss": 0.5,
-            "pg_loss": 0.4,
-            "entropy": 1.0,
-            "is_weight_max": 1.5,
-            "num_tokens": 10.0,
-            "num_sequences": 2.0,
-        },
-        {
-            "loss": -0.25,
-            "pg_loss": -0.2,
-            "entropy": 3.0,
-            "is_weight_max": 2.0,
-            "num_tokens": 30.0,
-            "num_sequences": 3.0,
-        },
-        {
-            "loss": 0.125,
-            "pg_loss": 0.1,
-            "entropy": 2.0,
-            "is_weight_max": 1.0,
-            "num_tokens": 20.0,
-            "num_sequences": 1.0,
-        },
+        {"loss": 0.5, "pg_loss": 0.4, "entropy": 1.0, "is_weight_max": 1.5, "num_tokens": 10.0, "num_sequences": 2.0},
+        {"loss": -0.25, "pg_loss": -0.2, "entropy": 3.0, "is_weight_max": 2.0, "num_tokens": 30.0, "num_sequences": 3.0},
+        {"loss": 0.125, "pg_loss": 0.1, "entropy": 2.0, "is_weight_max": 1.0, "num_tokens": 20.0, "num_sequences": 1.0},
     ]
     whole = _MetricTotals()
     shares = [_MetricTotals(), _MetricTotals()]
@@ -420,14 +347,7 @@ def test_metric_totals_of_shares_combine_into_the_totals_of_the_whole():
 
 
 def test_tied_duplicates_names_the_aliases_of_tied_embeddings():
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     assert tied_duplicates(Qwen2ForCausalLM(config)) == {"lm_head.weight"}
     assert tied_duplicates(tiny_policy()) == set()
