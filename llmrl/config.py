@@ -155,10 +155,11 @@ class TrainingConfig(Section):
     """Token budget of one forward/backward micro-batch (rows x row width, padding included); bounds activation memory."""
     pack_row_tokens: int = Field(512, ge=1)
     """Longest packed row (rollouts laid end to end); a rollout longer than this gets a row of its own.
-    Attention over a row costs its length squared with the sdpa/eager kernels, so short rows are faster."""
+    Each step picks the row length up to this (and whether to share prompts) by estimated FLOPs:
+    attention over a row costs its length squared with the sdpa/eager kernels."""
     share_prefixes: bool = True
-    """Encode a prompt once for all its rollouts in a step (an attention mask keeps the samples apart):
-    same loss and gradients, fewer tokens. Needs the sdpa or eager attention."""
+    """Allow a prompt to be encoded once for several of its rollouts (an attention mask keeps the
+    samples apart): same loss and gradients, fewer tokens; used when it makes a step cheaper."""
     generation_lag: int = Field(0, ge=0)
     """Steps generation runs ahead of training: batch t is generated with the weights of step t-1-lag while earlier steps train (0 = on-policy, no overlap)."""
     deterministic: bool = True

@@ -26,7 +26,8 @@ attention mask (each member sees the prefix and itself; transformers passes a 4D
 unchanged), and ``context_positions`` says which column predicts each token: a member's first token
 is predicted from the prefix's last one. Every token's logprob is then the one it has alone, and the
 prefix's activations receive the sum of the members' gradients, which is what separate copies would
-have added up to in the weights: the same loss and gradient from fewer tokens.
+have added up to in the weights: the same loss and gradient from fewer tokens. Whether sharing
+pays, and how long rows should be, depends on the model and the lengths: `plan_rows` decides.
 """
 
 from __future__ import annotations
@@ -140,6 +141,47 @@ def share_prefixes(
     return sorted(
         units, key=lambda unit: first_member[unit.members[0] if isinstance(unit, SharedPrefix) else unit]
     )
+
+
+def plan_rows(
+    sequences: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[bool]],
+    indices: Sequence[int],
+    max_row_tokens: int,
+    *,
+    token_cost: float,
+    pair_cost: float,
+    share: bool = True,
+) -> tuple[list[Unit], int]:
+    """Units and a row length for packing the sequences at `indices` at the least estimated cost.
+
+    A row of T tokens is taken to cost ``token_cost * T + pair_cost * T**2``: the layers' work grows
+    with the tokens, attention's with the square of the row (the sdpa and eager kernels apply a
+    packed row's mask densely, so a 512-token row of 80-token sequences does 6x the attention work
+    of those sequences alone). Shared prefixes save tokens but need rows that hold a prompt and
+    several completions. The candidates are the row lengths from the longest sequence, doubling, up
+    to `max_row_tokens`, each with shared prefixes (when `share`) and without; rows are packed with
+    `pack` and the cheapest candidate wins (the first on a tie). Returns ``(units, row length)``.
+    """
+    lengths = [len(s) for s in sequences]
+    longest = max(lengths[i] for i in indices)
+    limits = [longest]
+    while limits[-1] * 2 < max_row_tokens:
+        limits.append(limits[-1] * 2)
+    if max_row_tokens > longest:
+        limits.append(max_row_tokens)
+    best: tuple[float, list[Unit], int] | None = None
+    for limit in limits:
+        for shared in (False, True) if share else (False,):
+            units = share_prefixes(sequences, loss_masks, indices, limit) if shared else list(indices)
+            unit_lengths = [unit_tokens(unit, lengths) for unit in units]
+            rows = pack(unit_lengths, max(limit, *unit_lengths))
+            row_tokens = [sum(unit_lengths[j] for j in row) for row in rows]
+            cost = sum(token_cost * t + pair_cost * t * t for t in row_tokens)
+            if best is None or cost < best[0]:
+                best = (cost, units, limit)
+    assert best is not None
+    return best[1], best[2]
 
 
 def _shared_or_plain(members: list[int], length: int) -> Unit:

@@ -40,7 +40,7 @@ from llmrl.algorithms.packing import (
     build_batch,
     pack,
     pack_values,
-    share_prefixes,
+    plan_rows,
     unit_tokens,
     unpack,
 )
@@ -78,6 +78,26 @@ def lr_factor(step: int, training: TrainingConfig) -> float:
     return 1.0
 
 
+def forward_costs(model: torch.nn.Module) -> tuple[float, float]:
+    """Forward FLOPs of `model` per token and per (query, key) pair of attention, for `plan_rows`.
+
+    Per token: 2 per weight outside the embeddings (the LM head only runs on scored tokens). Per
+    pair: 4 per attention channel and layer (q.k and the weighted sum of v). Attention counts 0 when
+    the config does not say its shape.
+    """
+    embeddings = {
+        id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None
+        for p in module.parameters()
+    }  # fmt: skip
+    token_cost = 2.0 * sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    config = getattr(model, "config", None)
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return token_cost, 0.0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return token_cost, 4.0 * layers * heads * head_dim
+
+
 class PolicyUpdate:
     """Runs the optimisation passes of one RL step on the policy (and reads the reference model)."""
 
@@ -104,9 +124,7 @@ class PolicyUpdate:
         self.pad_token_id = pad_token_id
         self.reference = reference
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
-        self.share_prefixes = training.share_prefixes
-        # A unit longer than this (a rollout of its own) gets a row of its own.
-        self._row_limit = min(training.pack_row_tokens, training.micro_batch_tokens)
+        self._token_cost, self._pair_cost = forward_costs(policy)
         # Rollouts generated ahead of training come from older weights: correct by default.
         automatic = "truncate" if training.generation_lag > 0 else None
         self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
@@ -179,21 +197,21 @@ class PolicyUpdate:
         for k in range(count):
             yield order[k * size // count : (k + 1) * size // count]
 
-    def _units(
+    def _layout(
         self, sequences: list[list[int]], masks: list[list[bool]], indices: Sequence[int]
-    ) -> list[Unit]:
-        """The sequences at `indices` as packing units: the rollouts of one prompt share it when enabled."""
-        if not self.share_prefixes:
-            return list(indices)
-        return share_prefixes(sequences, masks, indices, self._row_limit)
+    ) -> tuple[list[Unit], int]:
+        """Packing units (the rollouts of one prompt may share it) and the row length, by `plan_rows`."""
+        longest_row = min(self.training.pack_row_tokens, self.training.micro_batch_tokens)
+        return plan_rows(sequences, masks, indices, longest_row, token_cost=self._token_cost,
+                         pair_cost=self._pair_cost, share=self.training.share_prefixes)  # fmt: skip
 
     def _micro_batches(
-        self, sequences: list[list[int]], masks: list[list[bool]], units: list[Unit]
+        self, sequences: list[list[int]], masks: list[list[bool]], units: list[Unit], row_limit: int
     ) -> Iterator[PackedBatch]:
-        """Packed micro-batches of `units`: rows of at most `pack_row_tokens` tokens (or the longest
-        sequence), as many rows per micro-batch as fit `micro_batch_tokens`."""
+        """Packed micro-batches of `units`: rows of at most `row_limit` tokens (or the longest unit),
+        as many rows per micro-batch as fit `micro_batch_tokens`."""
         unit_lengths = [unit_tokens(unit, [len(s) for s in sequences]) for unit in units]
-        rows = pack(unit_lengths, max(self._row_limit, *unit_lengths))
+        rows = pack(unit_lengths, max(row_limit, *unit_lengths))
         chosen: list[list[Unit]] = []
         width = 0
         for row in rows:  # first-fit-decreasing: the fullest rows come first
@@ -216,14 +234,14 @@ class PolicyUpdate:
     ) -> Iterator[PackedBatch | None]:
         """This rank's micro-batches of the sequences at `indices`, then None for each pass it must
         run idle to match the rank with the most (all of them on one process)."""
-        units = self._units(sequences, masks, indices)
+        units, row_limit = self._layout(sequences, masks, indices)
         if self.distributed is None:
-            yield from self._micro_batches(sequences, masks, units)
+            yield from self._micro_batches(sequences, masks, units, row_limit)
             return
         lengths = [len(s) for s in sequences]
         shares = split_by_tokens([unit_tokens(unit, lengths) for unit in units], self.distributed.world_size)
         mine = [units[p] for p in shares[self.distributed.rank]]
-        batches = list(self._micro_batches(sequences, masks, mine)) if mine else []
+        batches = list(self._micro_batches(sequences, masks, mine, row_limit)) if mine else []
         passes = self.distributed.max_count(len(batches))  # before any pass: a collective itself
         yield from batches
         yield from [None] * (passes - len(batches))

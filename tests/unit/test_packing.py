@@ -16,6 +16,7 @@ from llmrl.algorithms.packing import (
     pack,
     pack_values,
     packing_efficiency,
+    plan_rows,
     share_prefixes,
     unit_tokens,
     unpack,
@@ -159,6 +160,28 @@ def test_build_batch_lays_a_shared_prefix_out_once():
         2: values[2],
     }  # the prefix: member 0's
     assert {i: v.tolist() for i, v in unpack(batch.input_ids, batch).items()} == dict(enumerate(sequences))
+
+
+def test_plan_rows_trades_fewer_tokens_against_longer_rows():
+    prompt = list(range(1, 11))
+    sequences = [prompt + [100 + k] * 40 for k in range(8)] + [[7, 8, 9]]
+    masks = [[False] * 10 + [True] * 40] * 8 + [[False, True, True]]
+    everything = range(len(sequences))
+    # Attention free: the fewest tokens, the prompt once for all 8 (10 + 8 x 40 tokens; 400 is the first
+    # candidate row length that holds them: the candidates double from the longest sequence, 50).
+    units, limit = plan_rows(sequences, masks, everything, 512, token_cost=1.0, pair_cost=0.0)
+    assert limit == 400 and units == [SharedPrefix(tuple(range(8)), 10), 8]
+    # Attention dear: every sequence in a row of its own length.
+    units, limit = plan_rows(sequences, masks, everything, 512, token_cost=1.0, pair_cost=10.0)
+    assert limit == 50 and units == list(everything)
+    # In between: 2 completions per prompt in rows of 100 (363 tokens, ~33k attention pairs).
+    units, limit = plan_rows(sequences, masks, everything, 512, token_cost=1.0, pair_cost=0.002)
+    assert limit == 100
+    assert units == [SharedPrefix((0, 1), 10), SharedPrefix((2, 3), 10), SharedPrefix((4, 5), 10),
+                     SharedPrefix((6, 7), 10), 8]  # fmt: skip
+    # Sharing off: plain sequences whatever the costs.
+    units, _ = plan_rows(sequences, masks, everything, 512, token_cost=1.0, pair_cost=0.0, share=False)
+    assert units == list(everything)
 
 
 @pytest.mark.parametrize(

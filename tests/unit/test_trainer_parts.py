@@ -15,7 +15,7 @@ from llmrl.agents.base import placeholder_rollout
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
-from llmrl.trainer.optimization import PolicyUpdate, _MetricTotals, build_optimizer, lr_factor
+from llmrl.trainer.optimization import PolicyUpdate, _MetricTotals, build_optimizer, forward_costs, lr_factor
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
 from llmrl.types import RolloutGroup, TokenRollout
 
@@ -161,6 +161,15 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     assert sorted(i for p in packed for i in p.spans) == list(range(len(batch)))
     # Rollouts of one prompt share it: fewer tokens than the rollouts hold.
     assert sum(p.num_tokens for p in packed) < sum(len(s) for s in batch.sequences)
+
+
+def test_forward_costs_count_the_layers_and_the_attention_width():
+    policy = tiny_policy()  # 2 layers, hidden 32, 4 heads of 8, input and output embeddings 48 x 32 each
+    assert not policy.config.tie_word_embeddings
+    token_cost, pair_cost = forward_costs(policy)
+    embedding_weights = 2 * VOCAB * 32
+    assert token_cost == 2 * (sum(p.numel() for p in policy.parameters()) - embedding_weights)
+    assert pair_cost == 4 * 2 * 4 * 8
 
 
 def test_skipping_zero_advantage_rollouts_does_not_change_the_update():
