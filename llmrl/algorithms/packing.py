@@ -273,49 +273,92 @@ def build_batch(
 
     lengths = [len(s) for s in sequences]
     width = max(sum(unit_tokens(unit, lengths) for unit in row) for row in rows)
-    shape = (len(rows), width)
-    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    sequence_ids = torch.full(shape, -1, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.bool)
-    context_positions = (torch.arange(width) - 1).clamp(min=0).repeat(len(rows), 1)
-    shared = any(isinstance(unit, SharedPrefix) for row in rows for unit in row)
-    attention_mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1, 1) if shared else None
+    # Built as Python lists, row by row, and turned into tensors once: per-piece tensor writes cost
+    # more than the forward pass of a small model.
     spans: dict[int, tuple[tuple[int, int, int], ...]] = {}
-
-    def place(r: int, i: int, start: int, tokens: slice) -> slice:
-        """Write the `tokens` of sequence i from column `start`; returns the columns written."""
-        columns = slice(start, start + tokens.stop - tokens.start)
-        input_ids[r, columns] = torch.as_tensor(sequences[i][tokens], dtype=torch.long)
-        position_ids[r, columns] = torch.arange(tokens.start, tokens.stop)
-        sequence_ids[r, columns] = i
-        loss_mask[r, columns] = torch.as_tensor(loss_masks[i][tokens], dtype=torch.bool)
-        if attention_mask is not None:
-            attention_mask[r, 0, columns, columns] = _causal(columns.stop - columns.start)
-        return columns
-
+    layouts: list[_RowLayout] = []
     for r, row in enumerate(rows):
-        offset = 0
+        layout = _RowLayout(first_block=layouts[-1].next_block if layouts else 0)
         for unit in row:
             if isinstance(unit, SharedPrefix):
-                prefix = place(r, unit.members[0], offset, slice(0, unit.length))
-                offset = prefix.stop
+                prefix_block = layout.next_block
+                first = unit.members[0]
+                prefix = layout.place(sequences[first], loss_masks[first], first, 0, unit.length)
                 for i in unit.members:
-                    own = place(r, i, offset, slice(unit.length, lengths[i]))
-                    context_positions[r, own.start] = prefix.stop - 1
-                    if attention_mask is not None:
-                        attention_mask[r, 0, own, prefix] = True
-                    spans[i] = ((r, prefix.start, prefix.stop), (r, own.start, own.stop))
-                    offset = own.stop
+                    own = layout.place(sequences[i], loss_masks[i], i, unit.length, lengths[i],
+                                       predicted_from=prefix[1] - 1, prefix_block=prefix_block)  # fmt: skip
+                    spans[i] = ((r, *prefix), (r, *own))
             else:
-                own = place(r, unit, offset, slice(0, lengths[unit]))
-                spans[unit] = ((r, own.start, own.stop),)
-                offset = own.stop
-        next_position = int(position_ids[r, offset - 1]) + 1
-        position_ids[r, offset:] = torch.arange(next_position, next_position + width - offset)
+                spans[unit] = ((r, *layout.place(sequences[unit], loss_masks[unit], unit, 0, lengths[unit])),)
+        layout.pad(width, pad_token_id)
+        layouts.append(layout)
+
+    def stacked(field: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([getattr(layout, field) for layout in layouts], dtype=dtype)
+
+    attention_mask = None
+    if any(isinstance(unit, SharedPrefix) for row in rows for unit in row):
+        block, sees = stacked("block", torch.long), stacked("sees", torch.long)  # (R, T)
+        keys = block[:, None, :]
+        visible = (keys == block[:, :, None]) | (keys == sees[:, :, None])  # (R, T queries, T keys)
+        attention_mask = (visible & torch.ones(width, width, dtype=torch.bool).tril())[:, None]
     return PackedBatch(
-        input_ids, position_ids, sequence_ids, loss_mask, context_positions, spans, attention_mask
+        input_ids=stacked("ids", torch.long),
+        position_ids=stacked("positions", torch.long),
+        sequence_ids=stacked("owners", torch.long),
+        loss_mask=stacked("loss", torch.bool),
+        context_positions=stacked("context", torch.long).clamp(min=0),
+        spans=spans,
+        attention_mask=attention_mask,
     )
+
+
+class _RowLayout:
+    """One row of `build_batch` as Python lists. Every token also gets a block (the prefix or
+    sequence piece it belongs to; blocks are numbered across rows) and the block of the shared prefix
+    it may see (-1 for none), from which the attention mask is built."""
+
+    def __init__(self, first_block: int):
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.owners: list[int] = []
+        self.loss: list[bool] = []
+        self.context: list[int] = []
+        self.block: list[int] = []
+        self.sees: list[int] = []
+        self.next_block = first_block
+
+    def place(
+        self, sequence: Sequence[int], mask: Sequence[bool], owner: int, first: int, last: int,
+        *, predicted_from: int | None = None, prefix_block: int = -1,
+    ) -> tuple[int, int]:  # fmt: skip
+        """Append tokens ``first..last-1`` of `sequence` as a new block; returns their columns.
+
+        The block's first token is predicted from column `predicted_from` (default: the one before).
+        """
+        start, count = len(self.ids), last - first
+        self.ids.extend(sequence[first:last])
+        self.positions.extend(range(first, last))
+        self.owners.extend([owner] * count)
+        self.loss.extend(mask[first:last])
+        self.context.append(start - 1 if predicted_from is None else predicted_from)
+        self.context.extend(range(start, start + count - 1))
+        self.block.extend([self.next_block] * count)
+        self.sees.extend([prefix_block] * count)
+        self.next_block += 1
+        return start, start + count
+
+    def pad(self, width: int, pad_token_id: int) -> None:
+        """Fill the row to `width`; pad positions continue the last sequence, each pad token its own block."""
+        count = width - len(self.ids)
+        self.ids.extend([pad_token_id] * count)
+        self.positions.extend(range(self.positions[-1] + 1, self.positions[-1] + 1 + count))
+        self.owners.extend([-1] * count)
+        self.loss.extend([False] * count)
+        self.context.extend(range(len(self.context) - 1, width - 1))
+        self.block.extend(range(self.next_block, self.next_block + count))
+        self.sees.extend([-1] * count)
+        self.next_block += count
 
 
 def _members(unit: Unit) -> tuple[int, ...]:
@@ -338,10 +381,6 @@ def _check_shared_prefix(
             )
         if any(loss_masks[i][: unit.length]):
             raise ValueError(f"loss_masks[{i}] has loss tokens in the shared prefix of {unit.length} tokens")
-
-
-def _causal(size: int) -> torch.Tensor:
-    return torch.ones(size, size, dtype=torch.bool).tril()
 
 
 def pack_values(
