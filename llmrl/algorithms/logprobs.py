@@ -13,10 +13,11 @@ The naive ``log_softmax(logits).gather(...)`` holds a float32 ``[tokens, vocab]`
 logits and their log-softmax), plus whatever autograd saves: at 32k vocab and 4k tokens that is
 0.5 GB per copy. Here the tokens are cut into chunks; each chunk's logits are computed from the hidden
 states with the LM head (so the full logits never exist), reduced to one logprob (and entropy) per
-token, and dropped. Under autograd each chunk is checkpointed: only its hidden states are kept, and
-its logits are recomputed in the backward pass (one extra LM-head matmul per chunk, the usual price
-of "selective log-softmax" / fused linear-cross-entropy kernels). Peak memory therefore scales with
-``chunk_size x vocab``, not ``tokens x vocab``.
+token, and dropped. Under autograd each chunk is checkpointed when there are several: only its
+hidden states are kept, and its logits are recomputed in the backward pass (one extra LM-head
+matmul per chunk, the usual price of "selective log-softmax" / fused linear-cross-entropy kernels).
+Peak memory therefore scales with ``chunk_size x vocab``, not ``tokens x vocab``; a single chunk
+keeps what autograd saves (a few copies of at most `CHUNK_ELEMENTS` logits) instead of recomputing.
 
 `token_logprobs` runs a Hugging Face causal LM on a `llmrl.algorithms.packing.PackedBatch` and keeps
 only the tokens in its loss mask; `selective_log_softmax` and `logprobs_from_hidden` are the pure
@@ -177,10 +178,13 @@ def _chunked(
         return _chunk_stats(to_logits(x), y, temperature, with_entropy)
 
     pieces = []
+    # A single chunk is not checkpointed: what autograd keeps of it is bounded by the chunk budget,
+    # and recomputing it cost 5-15% of the tiny model's update.
+    recompute = torch.is_grad_enabled() and inputs.shape[0] > chunk_size
     # max(N, 1): an empty input still runs once, so the result has the right dtype and graph.
     for start in range(0, max(inputs.shape[0], 1), chunk_size):
         x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
-        if torch.is_grad_enabled():
+        if recompute:
             # Keep only this chunk's inputs; recompute its logits during backward.
             pieces.append(checkpoint(stats, x, y, use_reentrant=False))
         else:

@@ -56,7 +56,8 @@ def test_bfloat16_logits_are_computed_in_float32():
     torch.testing.assert_close(logprobs, naive(logits, targets, 0.9)[0], rtol=0, atol=1e-6)
 
 
-def test_logprobs_from_hidden_values_and_gradients():
+@pytest.mark.parametrize("chunk_size", [5, 26])  # several checkpointed chunks; one chunk, not checkpointed
+def test_logprobs_from_hidden_values_and_gradients(chunk_size):
     generator = torch.Generator().manual_seed(2)
     hidden = torch.randn(2, 13, 16, generator=generator, requires_grad=True)
     weight = (0.25 * torch.randn(97, 16, generator=generator)).requires_grad_()  # logits of order 1
@@ -65,7 +66,7 @@ def test_logprobs_from_hidden_values_and_gradients():
     upstream = torch.randn(2, 13, generator=generator), torch.randn(2, 13, generator=generator)
 
     logprobs, entropies = logprobs_from_hidden(
-        hidden, weight, targets, 0.8, lm_head_bias=bias, with_entropy=True, chunk_size=5
+        hidden, weight, targets, 0.8, lm_head_bias=bias, with_entropy=True, chunk_size=chunk_size
     )
     got = torch.autograd.grad(
         (logprobs * upstream[0] + entropies * upstream[1]).sum(), [hidden, weight, bias]
