@@ -159,7 +159,8 @@ class TrainingConfig(Section):
     attention over a row costs its length squared with the sdpa/eager kernels."""
     share_prefixes: bool = True
     """Allow a prompt to be encoded once for several of its rollouts (an attention mask keeps the
-    samples apart): same loss and gradients, fewer tokens; used when it makes a step cheaper."""
+    samples apart): same loss and gradients, fewer tokens; used when it makes a step cheaper, never
+    for models with sliding-window attention layers."""
     generation_lag: int = Field(0, ge=0)
     """Steps generation runs ahead of training: batch t is generated with the weights of step t-1-lag while earlier steps train (0 = on-policy, no overlap)."""
     deterministic: bool = True

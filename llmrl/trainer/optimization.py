@@ -98,6 +98,17 @@ def forward_costs(model: torch.nn.Module) -> tuple[float, float]:
     return token_cost, 4.0 * layers * heads * head_dim
 
 
+def has_local_attention(config: object) -> bool:
+    """Whether a model config has sliding-window (local) attention layers."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    return (
+        bool(getattr(config, "sliding_window", None))
+        and getattr(config, "use_sliding_window", True) is not False
+    )
+
+
 class PolicyUpdate:
     """Runs the optimisation passes of one RL step on the policy (and reads the reference model)."""
 
@@ -125,6 +136,8 @@ class PolicyUpdate:
         self.reference = reference
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
         self._token_cost, self._pair_cost = forward_costs(policy)
+        # A shared prefix brings its own attention mask, which would drop a sliding window.
+        self._local_attention = has_local_attention(getattr(policy, "config", None))
         # Rollouts generated ahead of training come from older weights: correct by default.
         automatic = "truncate" if training.generation_lag > 0 else None
         self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
@@ -203,7 +216,8 @@ class PolicyUpdate:
         """Packing units (the rollouts of one prompt may share it) and the row length, by `plan_rows`."""
         longest_row = min(self.training.pack_row_tokens, self.training.micro_batch_tokens)
         return plan_rows(sequences, masks, indices, longest_row, token_cost=self._token_cost,
-                         pair_cost=self._pair_cost, share=self.training.share_prefixes)  # fmt: skip
+                         pair_cost=self._pair_cost,
+                         share=self.training.share_prefixes and not self._local_attention)  # fmt: skip
 
     def _micro_batches(
         self, sequences: list[list[int]], masks: list[list[bool]], units: list[Unit], row_limit: int

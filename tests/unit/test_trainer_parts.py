@@ -15,7 +15,14 @@ from llmrl.agents.base import placeholder_rollout
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
-from llmrl.trainer.optimization import PolicyUpdate, _MetricTotals, build_optimizer, forward_costs, lr_factor
+from llmrl.trainer.optimization import (
+    PolicyUpdate,
+    _MetricTotals,
+    build_optimizer,
+    forward_costs,
+    has_local_attention,
+    lr_factor,
+)
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
 from llmrl.types import RolloutGroup, TokenRollout
 
@@ -170,6 +177,27 @@ def test_forward_costs_count_the_layers_and_the_attention_width():
     embedding_weights = 2 * VOCAB * 32
     assert token_cost == 2 * (sum(p.numel() for p in policy.parameters()) - embedding_weights)
     assert pair_cost == 4 * 2 * 4 * 8
+
+
+def test_models_with_sliding_window_attention_never_share_prefixes():
+    from transformers import MistralConfig
+
+    assert not has_local_attention(Qwen2Config())
+    assert has_local_attention(MistralConfig(sliding_window=4096))
+    assert has_local_attention(Qwen2Config(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2))
+    groups = random_groups(3, 4)
+    batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
+    def layouts(policy):
+        update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(), temperature=1.0,
+                              max_tokens=8, pad_token_id=0)
+        return list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
+
+    assert any(p.attention_mask is not None for p in layouts(tiny_policy()))  # shared when it may
+    local = tiny_policy()
+    local.config.layer_types = ["sliding_attention", "full_attention"]
+    packed = layouts(local)
+    assert all(p.attention_mask is None for p in packed)
+    assert sum(p.num_tokens for p in packed) == sum(len(s) for s in batch.sequences)
 
 
 def test_skipping_zero_advantage_rollouts_does_not_change_the_update():
