@@ -120,7 +120,7 @@ def share_prefixes(
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i in indices:
         mask = loss_masks[i]
-        start = mask.index(True) if True in mask else len(mask)
+        start = mask.index(True) if True in mask else 0  # no loss token: nothing to share (context ())
         by_context.setdefault(tuple(sequences[i][:start]), []).append(i)
     units: list[Unit] = []
     lengths = {i: len(sequences[i]) for i in indices}

@@ -126,6 +126,8 @@ def test_share_prefixes_groups_sequences_by_their_context():
     assert [unit_tokens(u, [len(s) for s in sequences]) for u in units] == [3 + 2 + 1 + 4, 2 + 1 + 2, 2]
     # A unit never exceeds max_tokens: the third member of the prompt opens a unit of its own (alone: plain).
     assert share_prefixes(sequences, masks, [0, 2, 3], max_tokens=7) == [SharedPrefix((0, 2), 3), 3]
+    # Sequences without a loss token have no context to share, even when equal.
+    assert share_prefixes([[1, 2], [1, 2]], [[False, False]] * 2, [0, 1], max_tokens=100) == [0, 1]
     # Only the indices asked for, in their order.
     assert share_prefixes(sequences, masks, [4, 0, 1], max_tokens=100) == [SharedPrefix((4, 1), 2), 0]
 
