@@ -77,6 +77,7 @@ def main() -> None:
         print(f"threads {torch.get_num_threads()}, {len(batch)} rollouts, {tokens} tokens")
         print(f"rollouts (generate + reward): {rollout_s:.3f} s")
         initial = copy.deepcopy(trainer.policy.state_dict())
+        lengths = [len(s) for s in batch.sequences]
         trained = [
             i for i in range(len(batch)) if batch.advantages[i] != 0 or not trainer.update.skip_zero_advantage
         ]
@@ -85,7 +86,7 @@ def main() -> None:
                 update={"pack_row_tokens": row_tokens, "share_prefixes": share}
             )
             units, row_length = trainer.update._layout(batch.sequences, batch.loss_masks, trained)
-            laid_out = sum(unit_tokens(unit, [len(s) for s in batch.sequences]) for unit in units)
+            laid_out = sum(unit_tokens(unit, lengths) for unit in units)
 
             def update():
                 trainer.policy.load_state_dict(initial)

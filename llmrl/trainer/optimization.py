@@ -224,7 +224,8 @@ class PolicyUpdate:
     ) -> Iterator[PackedBatch]:
         """Packed micro-batches of `units`: rows of at most `row_limit` tokens (or the longest unit),
         as many rows per micro-batch as fit `micro_batch_tokens`."""
-        unit_lengths = [unit_tokens(unit, [len(s) for s in sequences]) for unit in units]
+        lengths = [len(s) for s in sequences]
+        unit_lengths = [unit_tokens(unit, lengths) for unit in units]
         rows = pack(unit_lengths, max(row_limit, *unit_lengths))
         chosen: list[list[Unit]] = []
         width = 0
