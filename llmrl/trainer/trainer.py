@@ -110,9 +110,9 @@ class Trainer:
                                       attn_implementation=config.model.attn_implementation,
                                       trust_remote_code=config.model.trust_remote_code)
             reference.eval().requires_grad_(False)
-        self._tied_names: set[str] = set()
+        # Names aliasing another entry (tied embeddings): sent and exported once, under the first name.
+        self._tied_names = tied_duplicates(self.policy)
         if self.distributed is not None:
-            self._tied_names = tied_duplicates(self.policy)
             self.distributed.shard(self.policy)
             if reference is not None:
                 self.distributed.shard(reference)
@@ -243,11 +243,12 @@ class Trainer:
     def _sync_weights(self, version: int, *, reset: bool = False) -> None:
         """Serve the policy's weights as `version` (over several processes, gathered for rank 0's engine)."""
         if self.distributed is None:
-            self.inference.update_weights(self.policy.state_dict(), version=version, reset=reset)
-            return
-        weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
+            weights = self.policy.state_dict()
+        else:
+            weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
         if self.is_main:
-            self.inference.update_weights(weights, version=version, reset=reset)
+            untied = {name: value for name, value in weights.items() if name not in self._tied_names}
+            self.inference.update_weights(untied, version=version, reset=reset)
 
     # -- evaluation, logging, checkpoints --------------------------------------------------------
 

@@ -32,6 +32,7 @@ from llmrl.inference import build_inference
 from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import InferenceInterface
+from llmrl.trainer.distributed import tied_duplicates
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 CONTEXT = 160
@@ -236,7 +237,10 @@ def test_update_weights_serves_new_weights(fast_served, tmp_path):
     with torch.no_grad():
         for param in new_model.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
-    engine.update_weights(new_model.state_dict(), version=3)
+    # What the trainer sends: tied weights once (the LM head follows its embedding).
+    tied = tied_duplicates(new_model)
+    assert tied == {"lm_head.weight"}
+    engine.update_weights({k: v for k, v in new_model.state_dict().items() if k not in tied}, version=3)
     (after,) = engine.generate(request)
     assert after.policy_version == engine.policy_version == 3
     new_logprobs = _teacher_forced(new_model, after.prompt_token_ids, after.token_ids, 0.7)
