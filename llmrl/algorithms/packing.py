@@ -138,9 +138,7 @@ def share_prefixes(
             tokens += lengths[i] - len(context)
         units.append(_shared_or_plain(chunk, len(context)))
     first_member = {i: position for position, i in enumerate(indices)}
-    return sorted(
-        units, key=lambda unit: first_member[unit.members[0] if isinstance(unit, SharedPrefix) else unit]
-    )
+    return sorted(units, key=lambda unit: first_member[_members(unit)[0]])
 
 
 def plan_rows(

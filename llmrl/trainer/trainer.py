@@ -247,8 +247,11 @@ class Trainer:
         else:
             weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
         if self.is_main:
-            untied = {name: value for name, value in weights.items() if name not in self._tied_names}
-            self.inference.update_weights(untied, version=version, reset=reset)
+            self.inference.update_weights(self._untied(weights), version=version, reset=reset)
+
+    def _untied(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` without the names that alias another entry (tied embeddings)."""
+        return {name: value for name, value in weights.items() if name not in self._tied_names}
 
     # -- evaluation, logging, checkpoints --------------------------------------------------------
 
@@ -320,7 +323,7 @@ class Trainer:
             ckpt.write_checkpoint_files(
                 temp, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
                 config_yaml=dump_config(self.config),
-                model_state={name: value for name, value in weights.items() if name not in self._tied_names},
+                model_state=self._untied(weights),
             )  # fmt: skip
             ckpt.finish_checkpoint(self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last)
         distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
