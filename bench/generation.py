@@ -120,9 +120,9 @@ def long_prompt_group(tokenizer, length: int, samples: int) -> Group:
 # Runners
 
 
-def run_engine(model, tokenizer, workload: Workload, seed: int) -> Run:
+def run_engine(model, tokenizer, workload: Workload, seed: int, compile: bool = True) -> Run:
     """All groups submitted at once to a fresh engine (at most 64 sequences decode together)."""
-    engine = LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=seed,
+    engine = LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=seed, compile=compile,
                          eos_token_ids=() if workload.ignore_eos else None)
     requests = [
         InferenceRequest(prompt=g.messages, n=g.samples,

@@ -55,6 +55,8 @@ class InferenceConfig(Section):
     """Admission budget of the embedded engine: KV-cache tokens of all running sequences (a shared prompt counts once)."""
     max_concurrent: int = Field(64, ge=1)
     """Most sequences decoded at once by the embedded engine or in flight to a server."""
+    compile: bool = False
+    """Run the embedded engine's decode steps through torch.compile (Llama/Qwen2 models): more tokens/s after a one-off compilation (tens of seconds on a small CPU, cached on disk); see docs/engine.md."""
     request_timeout_s: float = Field(120.0, gt=0)
     """Per-request timeout for remote inference."""
     weights_dir: str | None = None

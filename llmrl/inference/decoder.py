@@ -43,12 +43,17 @@ Two implementations:
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 """`config.model_type` values served by `LlamaFamilyDecoder`."""
@@ -84,10 +89,11 @@ class Decoder(Protocol):
         ...
 
 
-def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None) -> Decoder:
-    """`LlamaFamilyDecoder` where the architecture allows it, else the generic `HFDecoder`."""
+def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None, compile: bool = False) -> Decoder:
+    """`LlamaFamilyDecoder` where the architecture allows it (`compile`: its decode steps through
+    ``torch.compile``), else the generic `HFDecoder`."""
     if LlamaFamilyDecoder.supports(model):
-        return LlamaFamilyDecoder(model, max_rows=max_rows)
+        return LlamaFamilyDecoder(model, max_rows=max_rows, compile=compile)
     return HFDecoder(model)
 
 
@@ -99,8 +105,7 @@ def _max_positions(config) -> int:
 # Llama / Qwen2 family
 
 
-@dataclass
-class _LayerWeights:
+class _LayerWeights(NamedTuple):
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor  # (heads*D + 2*kv_heads*D, hidden): q, k and v stacked
     qkv_bias: torch.Tensor | None
@@ -111,6 +116,27 @@ class _LayerWeights:
     gate_up_bias: torch.Tensor | None
     down_weight: torch.Tensor
     down_bias: torch.Tensor | None
+
+
+class _Weights(NamedTuple):
+    """The model's weights as the forward pass uses them (a pytree, so a compiled step takes them as inputs)."""
+
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    lm_head_bias: torch.Tensor | None
+    layers: tuple[_LayerWeights, ...]
+
+
+class _SharedPrompts(NamedTuple):
+    """What cascade attention reads besides the rows' own caches (`LlamaFamilyDecoder._cascade`)."""
+
+    keys: torch.Tensor  # shared_k: (layers, groups_cap, kv_heads, capacity, D)
+    values: torch.Tensor
+    bias: torch.Tensor  # (B, span): 0 where a row attends its group's prompt position, -inf elsewhere
+    grid_rows: torch.Tensor  # (groups, width): the row at each cell of the query grid (0 where none)
+    row_group: torch.Tensor  # (B,)
+    row_slot: torch.Tensor  # (B,)
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
@@ -132,9 +158,170 @@ def _interleave_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of `x` (..., D) in pair order, by `rotation` (complex, broadcastable to (..., D/2))."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+    """Rotary embedding of `x` (..., D) in pair order, by `rotation` at each position.
+
+    Complex `rotation` (positions, ..., D/2), broadcastable to the pairs of `x`: one complex
+    multiply, the fewest ops for eager steps. Real `rotation` (positions, 2, ..., D) for compiled
+    steps, as inductor generates no code for complex tensors: ``[:, 0]`` holds each pair's cosine
+    twice, ``[:, 1]`` its sine as (-sin, sin), and a pair ``(a, b)`` becomes
+    ``(a cos - b sin, b cos + a sin)`` in three real ops that inductor fuses.
+    """
+    pairs = x.float()
+    if rotation.is_complex():
+        return torch.view_as_real(torch.view_as_complex(pairs.unflatten(-1, (-1, 2))) * rotation).flatten(-2).to(x.dtype)
+    swapped = pairs.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (b, a) per pair
+    return torch.addcmul(pairs * rotation[:, 0], swapped, rotation[:, 1]).to(x.dtype)
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, -inf elsewhere."""
+    return torch.zeros(allowed.shape, device=allowed.device, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+class _LlamaForward:
+    """The layers' arithmetic, shared by prefill and decode; holds only the architecture's constants.
+
+    `decode` is a pure function of its inputs (it writes no cache), so ``torch.compile`` can take
+    it whole: weights, caches and masks are graph inputs, and new weights or a grown cache need no
+    recompilation.
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, *, eps: float, act_fn: torch.nn.Module):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.eps = eps
+        self.act_fn = act_fn
+        self.silu = isinstance(act_fn, torch.nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Llama/Qwen2 RMSNorm normalises in float32 and scales in the model dtype; in float32 that
+        # is one fused op with the same result bit for bit.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def mlp_residual(self, x: torch.Tensor, layer: _LayerWeights) -> torch.Tensor:
+        """``x + mlp(norm(x))``, the gated MLP with gate and up in one matmul."""
+        gate, up = F.linear(self.rms_norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias).chunk(2, -1)
+        activated = F.silu(gate) if self.silu else self.act_fn(gate)
+        return add_linear(x, activated * up, layer.down_weight, layer.down_bias)
+
+    def logits(self, hidden: torch.Tensor, weights: _Weights) -> torch.Tensor:
+        return F.linear(self.rms_norm(hidden, weights.final_norm), weights.lm_head, weights.lm_head_bias)
+
+    def decode(self, weights: _Weights, tokens: torch.Tensor, rotation: torch.Tensor, row_bias: torch.Tensor,
+               row_k: torch.Tensor, row_v: torch.Tensor, shared: _SharedPrompts | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row: (logits (B, V), new keys and values (B, layers, kv_heads, D)).
+
+        `row_bias` (B, span) masks the rows' cached positions (``row_k[:, :B, :, :span]``); the new
+        token attends to itself through its own key and value, which the caller then caches.
+        """
+        rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
+        span = row_bias.shape[1]
+        bias = row_bias[:, None, None, :]  # (B, 1, 1, span)
+        keys, values = [], []
+        x = F.embedding(tokens, weights.embed)  # (B, hidden)
+        for index, layer in enumerate(weights.layers):
+            qkv = F.linear(self.rms_norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)  # (B, (H + 2 Hkv) D)
+            qk = _rotate(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), rotation)
+            key, value = qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+            keys.append(key)
+            values.append(value)
+            # Query heads grouped by their kv head, (B, Hkv, G, D): no repeated keys for GQA.
+            q = qk[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
+            cached = (row_k[index, :rows, :, :span], row_v[index, :rows, :, :span])
+            if shared is None:
+                attn = self._attention(q, cached, bias, key, value)
+            else:
+                attn = self._cascade(q, index, shared, cached, bias, key, value)
+            x = self.mlp_residual(add_linear(x, attn.reshape(rows, heads * dim), layer.o_weight, layer.o_bias), layer)
+        return self.logits(x, weights), torch.stack(keys, 1), torch.stack(values, 1)
+
+    def _attention(self, q: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor,
+                   key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention over each row's cached positions and its new token, (B, Hkv, G, D).
+
+        Written out rather than ``scaled_dot_product_attention``: with one query position its CPU
+        kernel took 1.3x as long per step (tiny model, 64 rows, 2 threads).
+        """
+        scores = torch.cat([torch.matmul(q, cached[0].transpose(-1, -2)) + bias,
+                            (q * key[:, :, None]).sum(-1, keepdim=True)], dim=-1)  # (B, Hkv, G, span + 1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs[..., :-1], cached[1]) + probs[..., -1:] * value[:, :, None]
+
+    def _cascade(self, q: torch.Tensor, index: int, shared: _SharedPrompts, cached: tuple[torch.Tensor, torch.Tensor],
+                 bias: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention over a group's shared prompt, the row's own cache and its new token, one softmax.
+
+        The queries of a group's rows sit on a (groups, width) grid, so one batched matmul per
+        group reads its prompt's keys/values once for all its rows; rows of inline groups have a
+        shared length of 0, so their grid scores are all masked.
+        """
+        groups, width = shared.grid_rows.shape
+        rows, kv_heads, per_kv, dim = q.shape
+        prompt = shared.bias.shape[1]
+        prompt_keys = shared.keys[index, :groups, :, :prompt]  # (groups, Hkv, P, D)
+        query_grid = q[shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, width * per_kv, dim)
+        prompt_scores = torch.matmul(query_grid, prompt_keys.transpose(-1, -2)).view(groups, kv_heads, width, per_kv,
+                                                                                  prompt)
+        prompt_scores = prompt_scores[shared.row_group, :, shared.row_slot] + shared.bias[:, None, None, :]
+        scores = torch.cat([prompt_scores, torch.matmul(q, cached[0].transpose(-1, -2)) + bias,
+                            (q * key[:, :, None]).sum(-1, keepdim=True)], dim=-1)  # (B, Hkv, G, P + span + 1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        prob_grid = probs[..., :prompt][shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads,
+                                                                                      width * per_kv, prompt)
+        attn = torch.matmul(prob_grid, shared.values[index, :groups, :, :prompt])
+        attn = attn.view(groups, kv_heads, width, per_kv, dim)[shared.row_group, :, shared.row_slot]  # (B, Hkv, G, D)
+        return attn + torch.matmul(probs[..., prompt:-1], cached[1]) + probs[..., -1:] * value[:, :, None]
+
+
+def add_linear(x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + inputs @ weight.T (+ bias)``; 2-d without bias, the residual add is folded into the matmul."""
+    if bias is not None or inputs.dim() != 2:
+        return x + F.linear(inputs, weight, bias)
+    return torch.addmm(x, inputs, weight.t())
+
+
+def _llama_forward(heads: int, kv_heads: int, head_dim: int, eps: float, act_fn: torch.nn.Module) -> _LlamaForward:
+    """One `_LlamaForward` per architecture, so that every decoder of it (an engine per run, per
+    benchmark repeat) reuses one compiled step instead of compiling its own."""
+    key = (heads, kv_heads, head_dim, eps, repr(act_fn))
+    if key not in _FORWARDS:
+        _FORWARDS[key] = _LlamaForward(heads, kv_heads, head_dim, eps=eps, act_fn=act_fn)
+    return _FORWARDS[key]
+
+
+_FORWARDS: dict[tuple, _LlamaForward] = {}
+
+
+@functools.cache
+def _compiled_decode(forward: _LlamaForward) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`forward.decode` through ``torch.compile``, with the batch's sizes marked dynamic up front.
+
+    Rows, cached positions, prompt lengths and cache capacities change from step to step; marked
+    dynamic, one graph serves them all (without the marks, automatic dynamic shapes would compile
+    once static and again dynamic). Duck sizing is off for the call, or two sizes that happen to
+    be equal (64 rows and 64 positions) would share a symbol and recompile when they part.
+    """
+    compiled = torch.compile(forward.decode, fullgraph=True)
+    marks = {"tokens": (0,), "rotation": (0,), "row_bias": (0, 1), "row_k": (1, 3), "row_v": (1, 3)}
+    shared_marks = {"keys": (1, 3), "values": (1, 3), "bias": (0, 1), "grid_rows": (0, 1), "row_group": (0,),
+                    "row_slot": (0,)}
+    names = ("weights", "tokens", "rotation", "row_bias", "row_k", "row_v", "shared")
+
+    def run(*inputs):
+        for name, value in zip(names, inputs, strict=True):
+            for dim in marks.get(name, ()):
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+        shared = inputs[-1]
+        if shared is not None:
+            for name, dims in shared_marks.items():
+                for dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(getattr(shared, name), dim)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*inputs)
+
+    return run
 
 
 class LlamaFamilyDecoder:
@@ -165,9 +352,11 @@ class LlamaFamilyDecoder:
             model, "lm_head"
         )
 
-    def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM):
+    def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM,
+                 compile: bool = False):
         """`max_rows` caps how far row capacity doubles (rows beyond it are still served);
-        `share_from` overrides `SHARE_FROM`."""
+        `share_from` overrides `SHARE_FROM`; `compile` runs decode steps through ``torch.compile``
+        (module docstring)."""
         assert self.supports(model)
         config = model.config
         self.model = model
@@ -177,37 +366,37 @@ class LlamaFamilyDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scale = self.head_dim**-0.5
         self.max_positions = _max_positions(config)
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.vocab_size = model.lm_head.out_features
-        self.eps = model.model.norm.variance_epsilon
-        self.act_fn = model.model.layers[0].mlp.act_fn
-        self._silu = isinstance(self.act_fn, torch.nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
+        self.forward = _llama_forward(self.num_heads, self.num_kv_heads, self.head_dim,
+                                      model.model.norm.variance_epsilon, model.model.layers[0].mlp.act_fn)
+        self._compiled_decode = _compiled_decode(self.forward) if compile else None
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)
+        self._real_rotation = torch.empty(0, 2, self.head_dim, device=self.device)  # for compiled steps (`_rotate`)
         self.refresh_weights()
         self.reset()
 
     def refresh_weights(self) -> None:
         inner = self.model.model
-        with torch.no_grad():
-            self.embed = inner.embed_tokens.weight
-            self.final_norm = inner.norm.weight
-            self.lm_head = self.model.lm_head.weight
-            self.lm_head_bias = self.model.lm_head.bias
-            self.layers = []
+        scale = self.head_dim**-0.5
+        # Never inference tensors (even when called in inference mode): a compiled step guards on
+        # the kind of tensor it was compiled for and would compile again.
+        with torch.inference_mode(False), torch.no_grad():
+            layers = []
             for layer in inner.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                q_weight = _interleave_pairs(attn.q_proj.weight, self.num_heads)
+                # Queries carry the attention scale (1/sqrt(D)), so scores need no scaling op.
+                q_weight = _interleave_pairs(attn.q_proj.weight, self.num_heads) * scale
                 k_weight = _interleave_pairs(attn.k_proj.weight, self.num_kv_heads)
                 bias = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
                 if bias is not None:
                     q_size, k_size = attn.q_proj.out_features, attn.k_proj.out_features
-                    bias = torch.cat([_interleave_pairs(bias[:q_size], self.num_heads),
+                    bias = torch.cat([_interleave_pairs(bias[:q_size], self.num_heads) * scale,
                                       _interleave_pairs(bias[q_size : q_size + k_size], self.num_kv_heads),
                                       bias[q_size + k_size :]])
-                self.layers.append(_LayerWeights(
+                layers.append(_LayerWeights(
                     input_norm=layer.input_layernorm.weight,
                     qkv_weight=torch.cat([q_weight, k_weight, attn.v_proj.weight]),
                     qkv_bias=bias,
@@ -219,6 +408,8 @@ class LlamaFamilyDecoder:
                     down_weight=mlp.down_proj.weight,
                     down_bias=mlp.down_proj.bias,
                 ))
+        self.weights = _Weights(inner.embed_tokens.weight, inner.norm.weight, self.model.lm_head.weight,
+                                self.model.lm_head.bias, tuple(layers))
 
     # -- cache management ----------------------------------------------------------------------
 
@@ -253,7 +444,9 @@ class LlamaFamilyDecoder:
         for group in self.row_group:  # each row's index among its group's live rows
             slots.append(seen[group])
             seen[group] += 1
-        self.width = max(seen, default=0)  # the widest group: the query grid is (groups, width)
+        grid = torch.zeros(self.num_groups, max(seen, default=0), dtype=torch.int64)  # query grid: (groups, widest)
+        grid[self.row_group, slots] = torch.arange(self.num_rows)
+        self._grid_rows = grid.to(device)
         self._row_group = torch.tensor(self.row_group, dtype=torch.int64, device=device)
         self._row_slot = torch.tensor(slots, dtype=torch.int64, device=device)
         self._row_index = torch.arange(self.num_rows, device=device)
@@ -288,8 +481,10 @@ class LlamaFamilyDecoder:
             # its cos/sin repeat over the two halves, so the first half holds one value per pair.
             probe = torch.empty(0, device=self.device, dtype=torch.float32)
             cos, sin = self.model.model.rotary_emb(probe, torch.arange(table, device=self.device)[None])
-            half = self.head_dim // 2
-            self._rotation = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # (table, D/2)
+            cos, sin = cos[0, :, : self.head_dim // 2].float(), sin[0, :, : self.head_dim // 2].float()
+            self._rotation = torch.complex(cos, sin)  # (table, D/2)
+            # (table, 2, D) in pair order: each cosine twice, each sine as (-sin, sin).
+            self._real_rotation = torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], 1)
 
     def remove_rows(self, rows: list[int]) -> list[int]:
         order = _swap_remove(self.num_rows, rows, (self.row_k, self.row_v), max(self.cached, default=0))
@@ -309,30 +504,6 @@ class LlamaFamilyDecoder:
         return order
 
     # -- forward -------------------------------------------------------------------------------
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Llama/Qwen2 RMSNorm normalises in float32 and scales in the model dtype; in float32 that
-        # is one fused op with the same result bit for bit.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-    def _mlp_residual(self, x: torch.Tensor, layer: _LayerWeights) -> torch.Tensor:
-        """``x + mlp(norm(x))``, the gated MLP with gate and up in one matmul."""
-        gate, up = F.linear(self._rms_norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias).chunk(2, -1)
-        activated = F.silu(gate) if self._silu else self.act_fn(gate)
-        return self._add_linear(x, activated * up, layer.down_weight, layer.down_bias)
-
-    @staticmethod
-    def _add_linear(x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                    ) -> torch.Tensor:
-        """``x + inputs @ weight.T (+ bias)``; 2-d without bias, the residual add is folded into the matmul."""
-        if bias is not None or inputs.dim() != 2:
-            return x + F.linear(inputs, weight, bias)
-        return torch.addmm(x, inputs, weight.t())
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head, self.lm_head_bias)
 
     def prefill(self, prompts: list[list[int]], copies: list[int]) -> torch.Tensor:
         num_prompts, width = len(prompts), max(len(p) for p in prompts)
@@ -369,9 +540,10 @@ class LlamaFamilyDecoder:
             mask = (positions[None, :] <= positions[:, None]) & (positions < lengths[:, None, None])
             mask = mask[:, None]
         rotation = self._rotation[:width, None]  # (P, 1, D/2)
-        x = F.embedding(ids, self.embed)  # (N, P, hidden)
-        for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
+        ops, weights = self.forward, self.weights
+        x = F.embedding(ids, weights.embed)  # (N, P, hidden)
+        for index, layer in enumerate(weights.layers):
+            h = ops.rms_norm(x, layer.input_norm)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # (N, P, (H + 2 Hkv) D)
             qk = qkv[..., : (heads + kv_heads) * dim].view(num_prompts, width, heads + kv_heads, dim)
             qk = _rotate(qk, rotation).transpose(1, 2)  # (N, H + Hkv, P, D)
@@ -381,10 +553,10 @@ class LlamaFamilyDecoder:
                 if len(source):
                     getattr(self, f"{which}_k")[index, target, :, :length] = k[source, :, :length]
                     getattr(self, f"{which}_v")[index, target, :, :length] = v[source, :, :length]
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0,
                                                   enable_gqa=heads != kv_heads)
             attn = attn.transpose(1, 2).reshape(num_prompts, width, heads * dim)  # (N, P, H D)
-            x = self._mlp_residual(x + F.linear(attn, layer.o_weight, layer.o_bias), layer)
+            x = ops.mlp_residual(x + F.linear(attn, layer.o_weight, layer.o_bias), layer)
         last = x[torch.arange(num_prompts, device=self.device), lengths - 1]  # (N, hidden)
         for group, (prompt, count, shared) in enumerate(zip(prompts, copies, share, strict=True), start=first_group):
             self.shared_lengths.append(len(prompt) if shared else 0)
@@ -392,90 +564,44 @@ class LlamaFamilyDecoder:
             self.row_group.extend([group] * count)
             self.cached.extend([0 if shared else len(prompt)] * count)
         self._sync_rows()
-        return self._logits(last)
+        return ops.logits(last, weights)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows, heads, kv_heads, dim = self.num_rows, self.num_heads, self.num_kv_heads, self.head_dim
-        assert tokens.shape == (rows,)
-        row_span = max(self.cached) + 1  # the new token included
-        self._reserve("row", rows, row_span)
-        row_index, cached = self._row_index, self._cached
-        rotation = self._rotation[self._row_shared + cached, None]  # (B, 1, D/2) at each row's position
-        shared_span = max(self.shared_lengths)
-        attend = self._cascade_attention(shared_span, row_span) if shared_span else self._row_attention(row_span)
-        x = F.embedding(tokens, self.embed)  # (B, hidden)
-        for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # (B, (H + 2 Hkv) D)
-            qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
-            qk = _rotate(qk, rotation)  # (B, H + Hkv, D)
-            self.row_k[index, row_index, :, cached] = qk[:, heads:]
-            self.row_v[index, row_index, :, cached] = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
-            # Query heads grouped by their kv head, (B, Hkv, G, D): no repeated keys for GQA.
-            attn = attend(index, qk[:, :heads].view(rows, kv_heads, heads // kv_heads, dim))
-            x = self._mlp_residual(self._add_linear(x, attn.reshape(rows, heads * dim), layer.o_weight, layer.o_bias),
-                                   layer)
-        self.cached = [n + 1 for n in self.cached]
-        self._cached = cached + 1
-        return self._logits(x)
-
-    def _row_attention(self, span: int):
-        """Attention when every row holds its whole sequence: four ops per layer.
-
-        Written out rather than ``scaled_dot_product_attention``: with one query position its CPU
-        kernel took 1.3x as long per step (tiny model, 64 rows, 2 threads).
-        """
         rows = self.num_rows
-        valid = torch.arange(span, device=self.device) <= self._cached[:, None]  # (B, span)
-        bias = torch.zeros(valid.shape, device=self.device, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]  # (B, 1, 1, span): 0 where a row may attend, -inf elsewhere
+        assert tokens.shape == (rows,)
+        self._reserve("row", rows, max(self.cached) + 1)
+        # Each row attends its cached positions (at least one column, masked while none) plus the
+        # new token, which the forward pass returns rather than writes (`_LlamaForward.decode`).
+        span = torch.arange(max([*self.cached, 1]), device=self.device)
+        row_bias = _additive_mask(span < self._cached[:, None], self.dtype)  # (B, span)
+        shared = None
+        if any(self.shared_lengths):
+            span = torch.arange(max(self.shared_lengths), device=self.device)
+            shared = _SharedPrompts(self.shared_k, self.shared_v, _additive_mask(span < self._row_shared[:, None], self.dtype),
+                                    self._grid_rows, self._row_group, self._row_slot)
+        positions = self._row_shared + self._cached  # each row's new token
+        compiled = self._compiled_decode is not None and rows > 1
+        rotation = self._real_rotation[positions, :, None] if compiled else self._rotation[positions, None]
+        inputs = (self.weights, tokens, rotation, row_bias, self.row_k, self.row_v, shared)
+        logits, keys, values = self._decode_forward(inputs, compiled)
+        # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
+        self.row_k[:, self._row_index, :, self._cached] = keys
+        self.row_v[:, self._row_index, :, self._cached] = values
+        self.cached = [n + 1 for n in self.cached]
+        self._cached = self._cached + 1
+        return logits
 
-        def attend(index: int, q: torch.Tensor) -> torch.Tensor:
-            keys = self.row_k[index, :rows, :, :span].transpose(-1, -2)
-            scores = torch.add(bias, torch.matmul(q, keys), alpha=self.scale)  # (B, Hkv, G, span)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            return torch.matmul(probs, self.row_v[index, :rows, :, :span])
-
-        return attend
-
-    def _cascade_attention(self, shared_span: int, row_span: int):
-        """Attention over a group's shared prompt and the row's own cache, one softmax over both.
-
-        The queries of a group's rows sit on a (groups, width) grid, so one batched matmul per
-        group reads its prompt's keys/values once for all its rows; rows of inline groups have a
-        shared length of 0, so their grid scores are all masked.
-        """
-        rows, groups, width = self.num_rows, self.num_groups, self.width
-        kv_heads, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        row_group, row_slot = self._row_group, self._row_slot
-        # (B, 1, 1, shared_span + row_span): 0 where a row may attend, -inf elsewhere.
-        valid = torch.cat([
-            torch.arange(shared_span, device=self.device) < self._row_shared[:, None],
-            torch.arange(row_span, device=self.device) <= self._cached[:, None],
-        ], dim=1)
-        bias = torch.zeros(valid.shape, device=self.device, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]
-        # Slots of no row stay zero and no row reads them back.
-        query_grid = torch.zeros(groups, kv_heads, width, per_kv, dim, device=self.device, dtype=self.dtype)
-        prob_grid = torch.zeros(groups, kv_heads, width, per_kv, shared_span, device=self.device, dtype=self.dtype)
-
-        def attend(index: int, q: torch.Tensor) -> torch.Tensor:
-            query_grid[row_group, :, row_slot] = q
-            shared_scores = torch.matmul(
-                query_grid.view(groups, kv_heads, width * per_kv, dim),
-                self.shared_k[index, :groups, :, :shared_span].transpose(-1, -2),
-            ).view(groups, kv_heads, width, per_kv, shared_span)[row_group, :, row_slot]  # (B, Hkv, G, P)
-            row_scores = torch.matmul(q, self.row_k[index, :rows, :, :row_span].transpose(-1, -2))  # (B, Hkv, G, S)
-            scores = torch.add(bias, torch.cat([shared_scores, row_scores], dim=-1), alpha=self.scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            prob_grid[row_group, :, row_slot] = probs[..., :shared_span]
-            attn = torch.matmul(
-                prob_grid.view(groups, kv_heads, width * per_kv, shared_span),
-                self.shared_v[index, :groups, :, :shared_span],
-            ).view(groups, kv_heads, width, per_kv, dim)[row_group, :, row_slot]  # (B, Hkv, G, D)
-            return attn + torch.matmul(probs[..., shared_span:], self.row_v[index, :rows, :, :row_span])
-
-        return attend
+    def _decode_forward(self, inputs: tuple, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # One row runs eager: a size-1 dim would be specialised into a graph of its own.
+        if not compiled:
+            return self.forward.decode(*inputs)
+        try:
+            return self._compiled_decode(*inputs)
+        except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: eager steps give the same result
+            logger.warning("compiled decode step failed, decoding without torch.compile from now on: %s", exc)
+            self._compiled_decode = None
+            weights, tokens, rotation, *rest = inputs
+            return self.forward.decode(weights, tokens, self._rotation[self._row_shared + self._cached, None], *rest)
 
 
 def _swap_remove(count: int, removed: list[int], caches: tuple[torch.Tensor | None, ...], used: int) -> list[int]:

@@ -147,6 +147,22 @@ def test_built_from_config_through_the_registry(tokenizer, tmp_path):
     assert len(response.token_ids) <= 4
 
 
+@pytest.mark.slow
+def test_compiled_engine_from_config_matches_eager_engine(tokenizer, tmp_path):
+    _build("qwen2", len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engines = [build_inference(InferenceConfig(compile=compile), ModelConfig(spec=str(tmp_path)), seed=3)
+               for compile in (False, True)]
+    requests = [InferenceRequest(prompt=p, n=3, generation_args=GenerationArgs(max_tokens=24, seed=i))
+                for i, p in enumerate(PROMPTS)]
+    eager, compiled = (asyncio.run(_gather(engine, requests)) for engine in engines)
+    for eager_responses, compiled_responses in zip(eager, compiled, strict=True):
+        for e, c in zip(eager_responses, compiled_responses, strict=True):
+            assert c.token_ids == e.token_ids
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-4)
+    assert engines[1]._decoder._compiled_decode is not None  # compiled steps served it, no fallback
+
+
 def test_greedy_matches_generate_token_for_token(served):
     # Requests of different lengths run concurrently in one batch; each must equal its own generate().
     model, tokenizer = served
@@ -498,15 +514,18 @@ def _last_logits(model, sequences: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("family", "share_from"),
-    [("qwen2", 0), ("qwen2", 10), ("qwen2", 10**9), ("llama", 0), ("llama", 10), ("gpt2", None)],
+    ("family", "share_from", "compile"),
+    [("qwen2", 0, False), ("qwen2", 10, False), ("qwen2", 10**9, False), ("llama", 0, False), ("llama", 10, False),
+     ("gpt2", None, False), pytest.param("llama", 10, True, marks=pytest.mark.slow, id="llama-10-compiled")],
 )
-def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, share_from):
+def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, share_from, compile):
     # share_from 0: every multi-sample group shares its prompt (cascade attention); 10**9: every
     # prompt is copied into its rows (one attention kernel); 10: both kinds in one batch, the
-    # shared cache created before and after inline groups.
+    # shared cache created before and after inline groups. Compiled: the same steps through
+    # torch.compile, rows, lengths and capacities changing under one graph per attention kind.
     model = _build(family, 97)
-    decoder = build_decoder(model) if share_from is None else LlamaFamilyDecoder(model, share_from=share_from)
+    decoder = (build_decoder(model) if share_from is None
+               else LlamaFamilyDecoder(model, share_from=share_from, compile=compile))
     assert isinstance(decoder, LlamaFamilyDecoder) == (family != "gpt2")
     generator = torch.Generator().manual_seed(0)
     sequences: list[list[int]] = []
@@ -544,3 +563,46 @@ def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, sh
         assert decoder.num_rows == len(sequences)
         decoder.reset()
         assert decoder.num_rows == 0
+    if compile:
+        assert decoder._compiled_decode is not None  # no fallback to eager steps on the way
+
+
+@pytest.mark.slow
+def test_compiled_steps_take_new_weights_without_recompiling():
+    model = _build("qwen2", 97, seed=3)
+    decoder = LlamaFamilyDecoder(model, compile=True)
+    prompts, tokens = [[5, 6, 7, 8], [9, 10]], torch.tensor([11, 12, 13])
+    with torch.inference_mode():
+        decoder.prefill(prompts, [2, 1])
+        before = decoder.decode(tokens)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.5)
+        decoder.refresh_weights()
+        decoder.reset()
+        decoder.prefill(prompts, [2, 1])
+        after = decoder.decode(tokens)
+    assert torch.dist(before, after) > 1e-2  # the new weights are used...
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # ...by the same graph
+    sequences = [p + [t] for p, t in zip([prompts[0], prompts[0], prompts[1]], tokens.tolist(), strict=True)]
+    torch.testing.assert_close(after, _last_logits(model, sequences), rtol=0, atol=1e-4)
+
+
+def test_failed_compiled_step_falls_back_to_eager_steps(caplog):
+    model = _build("qwen2", 97)
+    eager, compiled = LlamaFamilyDecoder(model), LlamaFamilyDecoder(model, compile=True)
+
+    def broken(*inputs):
+        raise RuntimeError("no C++ compiler")
+
+    compiled._compiled_decode = broken
+    tokens = torch.tensor([3, 4, 5])
+    with torch.inference_mode(), caplog.at_level("WARNING", logger="llmrl.inference.decoder"):
+        for decoder in (eager, compiled):
+            decoder.prefill([[5, 6, 7], [8, 9]], [2, 1])
+        torch.testing.assert_close(compiled.decode(tokens), eager.decode(tokens), rtol=0, atol=1e-5)
+        torch.testing.assert_close(compiled.decode(tokens), eager.decode(tokens), rtol=0, atol=1e-5)
+    assert compiled._compiled_decode is None
+    assert [r.message for r in caplog.records].count(
+        "compiled decode step failed, decoding without torch.compile from now on: no C++ compiler") == 1
