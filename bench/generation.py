@@ -1,6 +1,6 @@
 """Generation throughput: LocalEngine against Hugging Face `generate` on the same prompts.
 
-    python bench/generation.py [--model tiny://arithmetic] [--repeats 3] [--threads N] [--quick]
+    python bench/generation.py [--model tiny://arithmetic] [--repeats 3] [--threads N] [--quick] [--no-compile]
 
 Workloads (completion tokens per second, higher is better):
 
@@ -8,6 +8,10 @@ Workloads (completion tokens per second, higher is better):
   natural    the same shape, stopping at eos (the arithmetic task as training samples it)
   long-tail  128 prompts whose completion lengths vary 8x (16..128 tokens, eos ignored), at most
              64 sequences at once
+
+The engine runs its decode steps through torch.compile (`--no-compile`: eager only); the
+compilation happens once, in a warm-up before any timing, and its time is printed. Each table row
+also gives the eager engine's ratio, measured in the same repeats.
 
 The reference is what TRL does without vLLM: `model.generate` with left padding and a KV cache,
 64 rows per call (each prompt repeated group-size times); a call runs until its longest row is
@@ -120,7 +124,7 @@ def long_prompt_group(tokenizer, length: int, samples: int) -> Group:
 # Runners
 
 
-def run_engine(model, tokenizer, workload: Workload, seed: int, compile: bool = True) -> Run:
+def run_engine(model, tokenizer, workload: Workload, seed: int, compile: bool) -> Run:
     """All groups submitted at once to a fresh engine (at most 64 sequences decode together)."""
     engine = LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=seed, compile=compile,
                          eos_token_ids=() if workload.ignore_eos else None)
@@ -225,17 +229,19 @@ def matmul_peak(seconds: float = 2.0) -> float:
 # Main
 
 
-def decode_step_ms(model, repeats: int) -> dict[str, float]:
+def decode_step_ms(model, repeats: int, compile: bool) -> dict[str, float]:
     """Median ms of one decode step of 64 rows (8 prompts x 8 samples, 18-token prompts, ~50 cached
-    positions): the engine's decoder against ``model(...)`` with a transformers ``DynamicCache``."""
+    positions): the engine's decoder (compiled and eager) against ``model(...)`` with a
+    transformers ``DynamicCache``."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (8, 18), generator=generator)
-    tokens = torch.randint(0, vocab, (64,), generator=generator)
+    with torch.inference_mode():  # as the engine's: a compiled step is specialised to inference tensors
+        tokens = torch.randint(0, vocab, (64,), generator=generator)
     warmup, timed = 24, 16
 
-    def engine_step(_: int) -> float:
-        decoder = build_decoder(model)
+    def engine_step(compiled: bool) -> float:
+        decoder = build_decoder(model, compile=compiled)
         decoder.prefill(prompts.tolist(), [8] * 8)
         for _ in range(warmup):
             decoder.decode(tokens)
@@ -253,8 +259,11 @@ def decode_step_ms(model, repeats: int) -> dict[str, float]:
             model(tokens[:, None], past_key_values=cache, use_cache=True)
         return (time.perf_counter() - began) / timed
 
+    runners = {"eager": lambda _: engine_step(False), "forward": forward_step}
+    if compile:
+        runners["compiled"] = lambda _: engine_step(True)
     with torch.inference_mode():
-        times = interleaved(repeats, {"engine": engine_step, "forward": forward_step})
+        times = interleaved(repeats, runners)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
@@ -270,11 +279,17 @@ def interleaved(repeats: int, runners: dict[str, Callable[[int], T]]) -> dict[st
     return results
 
 
-def compare(model, tokenizer, workload: Workload, repeats: int) -> dict[str, list[Run]]:
-    return interleaved(repeats, {
-        "engine": lambda repeat: run_engine(model, tokenizer, workload, repeat),
+def compare(model, tokenizer, workload: Workload, repeats: int, compile: bool, eager: bool = False
+            ) -> dict[str, list[Run]]:
+    """Interleaved runs of the engine (compiled when `compile`), `generate`, and with `eager` the
+    eager engine too (only when `compile`: else "engine" is the eager one)."""
+    runners = {
+        "engine": lambda repeat: run_engine(model, tokenizer, workload, repeat, compile),
         "generate": lambda repeat: run_generate(model, tokenizer, workload),
-    })
+    }
+    if eager and compile:
+        runners["eager"] = lambda repeat: run_engine(model, tokenizer, workload, repeat, False)
+    return interleaved(repeats, runners)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -283,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="engine decode steps without torch.compile")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -294,24 +311,37 @@ def main(argv: list[str] | None = None) -> None:
           f"engine fast path: {LocalEngine(model, tokenizer).uses_fast_path}")
     peak = matmul_peak()
     print(f"fp32 matmul peak (1024^3, best over 2 s): {peak / 1e9:.1f} GFLOP/s")
+    if args.compile:
+        began = time.perf_counter()
+        # Every graph the timed runs need: prompts copied into rows, and one shared prompt.
+        shared = Workload("shared", [long_prompt_group(tokenizer, 256, 16)], ignore_eos=True)
+        for workload in [*workloads(tokenizer, quick=True), shared]:
+            run_engine(model, tokenizer, workload, 0, compile=True)
+        print(f"engine warm-up with torch.compile (once per process; compiled code is cached on disk): "
+              f"{time.perf_counter() - began:.1f} s")
     print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat\n")
-    step = decode_step_ms(model, args.repeats)
-    print(f"one 64-row decode step: engine decoder {step['engine']:.2f} ms, model(...) + DynamicCache "
-          f"{step['forward']:.2f} ms ({step['engine'] / step['forward']:.2f}x the time)\n")
+    step = decode_step_ms(model, args.repeats, args.compile)
+    compiled_step = f"compiled {step['compiled']:.2f} ms, " if args.compile else ""
+    print(f"one 64-row decode step: engine decoder {compiled_step}eager {step['eager']:.2f} ms; "
+          f"model(...) + DynamicCache {step['forward']:.2f} ms\n")
 
     header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} "
-              f"{'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} {'KV generate':>12}")
+              f"{'eager':>6} {'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
+              f"{'KV generate':>12}")
     print(header)
     for workload in workloads(tokenizer, args.quick):
-        runs = compare(model, tokenizer, workload, args.repeats)
+        runs = compare(model, tokenizer, workload, args.repeats, args.compile, eager=True)
         rates = {name: [r.tokens / r.seconds for r in rs] for name, rs in runs.items()}
-        ratio = statistics.median(e / g for e, g in zip(rates["engine"], rates["generate"], strict=True))
+        ratio, eager_ratio = (
+            statistics.median(e / g for e, g in zip(rates[name], rates["generate"], strict=True))
+            for name in ("engine", "eager" if args.compile else "engine"))
         # Useful FLOPs of what each produced, over its median time.
         flops = {name: statistics.median(model_flops(model, r.completions, workload.groups) / r.seconds for r in rs)
                  for name, rs in runs.items()}
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}
         print(f"{workload.name:<10} {runs['engine'][0].tokens:>7} {statistics.median(rates['engine']):>13.0f} "
-              f"{statistics.median(rates['generate']):>15.0f} {ratio:>6.2f}x {flops['engine'] / 1e9:>15.1f} "
+              f"{statistics.median(rates['generate']):>15.0f} {ratio:>6.2f}x {eager_ratio:>5.2f}x "
+              f"{flops['engine'] / 1e9:>15.1f} "
               f"{flops['engine'] / peak:>8.1%} {flops['generate'] / peak:>9.1%} {kv['engine']:>6.1f} MiB "
               f"{kv['generate']:>8.1f} MiB")
 
@@ -321,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     base: dict[str, float] = {}
     for size in (1, 2, 4, 8, 16):
         group = long_prompt_group(tokenizer, 256, size)
-        runs = compare(model, tokenizer, Workload(f"group{size}", [group], ignore_eos=True), args.repeats)
+        runs = compare(model, tokenizer, Workload(f"group{size}", [group], ignore_eos=True), args.repeats,
+                       args.compile)
         per_sample = {name: 1e3 * statistics.median(r.seconds for r in rs) / size for name, rs in runs.items()}
         base = base or per_sample
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}

@@ -373,6 +373,9 @@ class LlamaFamilyDecoder:
         self.forward = _llama_forward(self.num_heads, self.num_kv_heads, self.head_dim,
                                       model.model.norm.variance_epsilon, model.model.layers[0].mlp.act_fn)
         self._compiled_decode = _compiled_decode(self.forward) if compile else None
+        # Least size of the grid's and the row span's dimensions: 2 for compiled steps, which would
+        # specialise a dimension of size 1 into a graph of its own.
+        self._least_size = 2 if compile else 1
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)
         self._real_rotation = torch.empty(0, 2, self.head_dim, device=self.device)  # for compiled steps (`_rotate`)
         self.refresh_weights()
@@ -444,7 +447,10 @@ class LlamaFamilyDecoder:
         for group in self.row_group:  # each row's index among its group's live rows
             slots.append(seen[group])
             seen[group] += 1
-        grid = torch.zeros(self.num_groups, max(seen, default=0), dtype=torch.int64)  # query grid: (groups, widest)
+        # The query grid: (groups, widest group), padded for compiled steps (`_least_size`); cells
+        # of no row read row 0 and are never read back.
+        least = self._least_size
+        grid = torch.zeros(max(self.num_groups, least), max([*seen, least]), dtype=torch.int64)
         grid[self.row_group, slots] = torch.arange(self.num_rows)
         self._grid_rows = grid.to(device)
         self._row_group = torch.tensor(self.row_group, dtype=torch.int64, device=device)
@@ -518,7 +524,7 @@ class LlamaFamilyDecoder:
         shared_width = max((len(prompts[i]) for i in shared_src), default=0)
         inline_width = max((len(prompts[i]) for i in inline_src), default=0)
         if shared_src or self.shared_k is not None:  # once it exists, every group has a slot in it
-            self._reserve("shared", first_group + num_prompts, shared_width)
+            self._reserve("shared", max(first_group + num_prompts, self._least_size), shared_width)  # the grid's height
         # Row caches too: a sample can finish on its first token and leave before any decode step.
         self._reserve("row", first_row + sum(copies), max([*self.cached, inline_width]) + 1)
         # (prompt index, cache entry, positions to write) per destination
@@ -570,9 +576,9 @@ class LlamaFamilyDecoder:
         rows = self.num_rows
         assert tokens.shape == (rows,)
         self._reserve("row", rows, max(self.cached) + 1)
-        # Each row attends its cached positions (at least one column, masked while none) plus the
-        # new token, which the forward pass returns rather than writes (`_LlamaForward.decode`).
-        span = torch.arange(max([*self.cached, 1]), device=self.device)
+        # Each row attends its cached positions (masked where nothing is cached yet) plus the new
+        # token, which the forward pass returns rather than writes (`_LlamaForward.decode`).
+        span = torch.arange(max([*self.cached, self._least_size]), device=self.device)
         row_bias = _additive_mask(span < self._cached[:, None], self.dtype)  # (B, span)
         shared = None
         if any(self.shared_lengths):
