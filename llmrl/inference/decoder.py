@@ -36,6 +36,16 @@ Two implementations:
   length capacity grows by a quarter in steps of 16; the cache is zero-filled, so masked positions
   never hold NaN (0 x NaN is NaN).
 
+  A decode step's forward pass (`_LlamaForward.decode`) writes no cache: each row attends to its
+  cached positions and to the new token through that token's own key and value (one more score
+  column under the same softmax); `decode` then writes every layer's new keys and values with one
+  indexed write each. Being pure, the forward pass can go through ``torch.compile`` whole
+  (``compile=True``): inductor fuses the ops between the matmuls into C++ loops, and weights,
+  caches and masks are graph inputs whose varying sizes are marked dynamic, so new weights and a
+  growing batch reuse one graph per attention kind. Measured (``bench/generation.py``): a 64-row
+  step 0.77x the eager time, ~1.2x the engine's tokens/s, after ~40 s of compilation per graph on a
+  2-core VM (seconds once inductor's disk cache has it).
+
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
   ``DynamicCache`` per prompt group (prefilled once, repeated to ``n`` rows), one forward per group
   per step. Slower (no batching across requests), but works for every architecture with a cache.
