@@ -596,10 +596,13 @@ class LlamaFamilyDecoder:
             shared = _SharedPrompts(self.shared_k, self.shared_v, _additive_mask(span < self._row_shared[:, None], self.dtype),
                                     self._grid_rows, self._row_group, self._row_slot)
         positions = self._row_shared + self._cached  # each row's new token
-        compiled = self._compiled_decode is not None and rows > 1
-        rotation = self._real_rotation[positions, :, None] if compiled else self._rotation[positions, None]
-        inputs = (self.weights, tokens, rotation, row_bias, self.row_k, self.row_v, shared)
-        logits, keys, values = self._decode_forward(inputs, compiled)
+        caches = (row_bias, self.row_k, self.row_v, shared)
+        step = None
+        if self._compiled_decode is not None and rows > 1:  # one row: a size-1 dim would get a graph of its own
+            step = self._compiled_step(tokens, self._real_rotation[positions, :, None], caches)
+        if step is None:
+            step = self.forward.decode(self.weights, tokens, self._rotation[positions, None], *caches)
+        logits, keys, values = step
         # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
         self.row_k[:, self._row_index, :, self._cached] = keys
         self.row_v[:, self._row_index, :, self._cached] = values
@@ -607,17 +610,15 @@ class LlamaFamilyDecoder:
         self._cached = self._cached + 1
         return logits
 
-    def _decode_forward(self, inputs: tuple, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # One row runs eager: a size-1 dim would be specialised into a graph of its own.
-        if not compiled:
-            return self.forward.decode(*inputs)
+    def _compiled_step(self, tokens: torch.Tensor, rotation: torch.Tensor, caches: tuple
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The compiled forward pass; None (and eager steps from now on) if it fails."""
         try:
-            return self._compiled_decode(*inputs)
+            return self._compiled_decode(self.weights, tokens, rotation, *caches)
         except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: eager steps give the same result
             logger.warning("compiled decode step failed, decoding without torch.compile from now on: %s", exc)
             self._compiled_decode = None
-            weights, tokens, rotation, *rest = inputs
-            return self.forward.decode(weights, tokens, self._rotation[self._row_shared + self._cached, None], *rest)
+            return None
 
 
 def _swap_remove(count: int, removed: list[int], caches: tuple[torch.Tensor | None, ...], used: int) -> list[int]:
