@@ -213,7 +213,7 @@ class _LlamaForward:
         """``x + mlp(norm(x))``, the gated MLP with gate and up in one matmul."""
         gate, up = F.linear(self.rms_norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias).chunk(2, -1)
         activated = F.silu(gate) if self.silu else self.act_fn(gate)
-        return add_linear(x, activated * up, layer.down_weight, layer.down_bias)
+        return _add_linear(x, activated * up, layer.down_weight, layer.down_bias)
 
     def logits(self, hidden: torch.Tensor, weights: _Weights) -> torch.Tensor:
         return F.linear(self.rms_norm(hidden, weights.final_norm), weights.lm_head, weights.lm_head_bias)
@@ -244,7 +244,7 @@ class _LlamaForward:
                 attn = self._attention(q, cached, bias, key, value)
             else:
                 attn = self._cascade(q, index, shared, cached, bias, key, value)
-            x = self.mlp_residual(add_linear(x, attn.reshape(rows, heads * dim), layer.o_weight, layer.o_bias), layer)
+            x = self.mlp_residual(_add_linear(x, attn.reshape(rows, heads * dim), layer.o_weight, layer.o_bias), layer)
         return self.logits(x, weights), torch.stack(keys, 1), torch.stack(values, 1)
 
     def _attention(self, q: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor,
@@ -285,7 +285,7 @@ class _LlamaForward:
         return attn + torch.matmul(probs[..., prompt:-1], cached[1]) + probs[..., -1:] * value[:, :, None]
 
 
-def add_linear(x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _add_linear(x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x + inputs @ weight.T (+ bias)``; 2-d without bias, the residual add is folded into the matmul."""
     if bias is not None or inputs.dim() != 2:
         return x + F.linear(inputs, weight, bias)
