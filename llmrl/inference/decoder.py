@@ -43,7 +43,7 @@ Two implementations:
   (``compile=True``): inductor fuses the ops between the matmuls into C++ loops, and weights,
   caches and masks are graph inputs whose varying sizes are marked dynamic, so new weights and a
   growing batch reuse one graph per attention kind. Measured (``bench/generation.py``): a 64-row
-  step 0.77x the eager time, ~1.2x the engine's tokens/s, after ~40 s of compilation per graph on a
+  step 0.66-0.77x the eager time, ~1.2x the engine's tokens/s, after ~40 s of compilation per graph on a
   2-core VM (seconds once inductor's disk cache has it).
 
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
@@ -139,7 +139,7 @@ class _Weights(NamedTuple):
 
 
 class _SharedPrompts(NamedTuple):
-    """What cascade attention reads besides the rows' own caches (`LlamaFamilyDecoder._cascade`)."""
+    """What cascade attention reads besides the rows' own caches (`_LlamaForward._cascade`)."""
 
     keys: torch.Tensor  # shared_k: (layers, groups_cap, kv_heads, capacity, D)
     values: torch.Tensor
@@ -254,10 +254,23 @@ class _LlamaForward:
         Written out rather than ``scaled_dot_product_attention``: with one query position its CPU
         kernel took 1.3x as long per step (tiny model, 64 rows, 2 threads).
         """
-        scores = torch.cat([torch.matmul(q, cached[0].transpose(-1, -2)) + bias,
-                            (q * key[:, :, None]).sum(-1, keepdim=True)], dim=-1)  # (B, Hkv, G, span + 1)
+        scores = torch.cat(self._own_scores(q, cached, bias, key), dim=-1)  # (B, Hkv, G, span + 1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs[..., :-1], cached[1]) + probs[..., -1:] * value[:, :, None]
+        return self._own_output(probs, cached, value)
+
+    @staticmethod
+    def _own_scores(q: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor,
+                    key: torch.Tensor) -> list[torch.Tensor]:
+        """Scores of each row's cached positions (B, Hkv, G, span) and of its new token (B, Hkv, G, 1)."""
+        return [torch.matmul(q, cached[0].transpose(-1, -2)) + bias, (q * key[:, :, None]).sum(-1, keepdim=True)]
+
+    @staticmethod
+    def _own_output(probs: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], value: torch.Tensor
+                    ) -> torch.Tensor:
+        """Attention output over each row's cached positions and new token, whose probabilities end
+        `probs` (``[..., -span - 1 :]``)."""
+        span = cached[1].shape[-2]
+        return torch.matmul(probs[..., -span - 1 : -1], cached[1]) + probs[..., -1:] * value[:, :, None]
 
     def _cascade(self, q: torch.Tensor, index: int, shared: _SharedPrompts, cached: tuple[torch.Tensor, torch.Tensor],
                  bias: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -275,14 +288,13 @@ class _LlamaForward:
         prompt_scores = torch.matmul(query_grid, prompt_keys.transpose(-1, -2)).view(groups, kv_heads, width, per_kv,
                                                                                   prompt)
         prompt_scores = prompt_scores[shared.row_group, :, shared.row_slot] + shared.bias[:, None, None, :]
-        scores = torch.cat([prompt_scores, torch.matmul(q, cached[0].transpose(-1, -2)) + bias,
-                            (q * key[:, :, None]).sum(-1, keepdim=True)], dim=-1)  # (B, Hkv, G, P + span + 1)
+        scores = torch.cat([prompt_scores, *self._own_scores(q, cached, bias, key)], dim=-1)  # (B, Hkv, G, P + span + 1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         prob_grid = probs[..., :prompt][shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads,
                                                                                       width * per_kv, prompt)
         attn = torch.matmul(prob_grid, shared.values[index, :groups, :, :prompt])
         attn = attn.view(groups, kv_heads, width, per_kv, dim)[shared.row_group, :, shared.row_slot]  # (B, Hkv, G, D)
-        return attn + torch.matmul(probs[..., prompt:-1], cached[1]) + probs[..., -1:] * value[:, :, None]
+        return attn + self._own_output(probs, cached, value)
 
 
 def _add_linear(x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
