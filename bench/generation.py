@@ -83,11 +83,14 @@ class Run:
 # Workloads
 
 
+def chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    return list(tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
 def chat_group(tokenizer, content: str, max_tokens: int, samples: int) -> Group:
     messages = [ChatMessage(role="user", content=content)]
-    ids = tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
-    return Group(messages, list(ids), max_tokens, samples)
+    return Group(messages, chat_ids(tokenizer, messages), max_tokens, samples)
 
 
 def arithmetic_groups(tokenizer, count: int, seed: int, max_tokens: list[int], samples: int) -> list[Group]:
@@ -146,14 +149,19 @@ def run_engine(model, tokenizer, workload: Workload, seed: int, compile: bool) -
 
 
 def run_generate(model, tokenizer, workload: Workload) -> Run:
-    """TRL-style: each prompt repeated per sample, left-padded batches of 64 rows, run to the longest."""
-    rows = [(g.prompt_ids, g.max_tokens) for g in workload.groups for _ in range(g.samples)]
+    """TRL-style: each prompt repeated per sample, left-padded batches of 64 rows, run to the longest.
+
+    Timed from the chat messages on, as the engine's runs are: templating each prompt (once per
+    group), padding and generating."""
     eos_ids = set(_eos_ids(model, tokenizer))
-    completions, cache_bytes, seconds = [], 0, 0.0
+    completions, cache_bytes = [], 0
+    started = time.perf_counter()
+    prompts = [chat_ids(tokenizer, g.messages) for g in workload.groups]
+    assert prompts == [g.prompt_ids for g in workload.groups]
+    rows = [(ids, g.max_tokens) for ids, g in zip(prompts, workload.groups, strict=True) for _ in range(g.samples)]
     for start in range(0, len(rows), ROWS_PER_CALL):
         batch = rows[start : start + ROWS_PER_CALL]
         padded = tokenizer.pad({"input_ids": [ids for ids, _ in batch]}, padding_side="left", return_tensors="pt")
-        began = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 **padded, do_sample=True, temperature=workload.temperature, top_k=0, top_p=1.0,
@@ -161,7 +169,6 @@ def run_generate(model, tokenizer, workload: Workload) -> Run:
                 eos_token_id=None if workload.ignore_eos else sorted(eos_ids),
                 return_dict_in_generate=True,
             )
-        seconds += time.perf_counter() - began
         cache_bytes = max(cache_bytes, _cache_bytes(out.past_key_values))
         new_tokens = out.sequences[:, padded["input_ids"].shape[1] :].tolist()
         for (ids, limit), tokens in zip(batch, new_tokens, strict=True):
@@ -170,7 +177,7 @@ def run_generate(model, tokenizer, workload: Workload) -> Run:
                 ends = [i for i, t in enumerate(tokens) if t in eos_ids]
                 tokens = tokens[: ends[0] + 1] if ends else tokens
             completions.append((len(ids), len(tokens)))
-    return Run(seconds, completions, cache_bytes)
+    return Run(time.perf_counter() - started, completions, cache_bytes)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -319,28 +326,29 @@ def main(argv: list[str] | None = None) -> None:
             run_engine(model, tokenizer, workload, 0, compile=True)
         print(f"engine warm-up with torch.compile (once per process; compiled code is cached on disk): "
               f"{time.perf_counter() - began:.1f} s")
-    print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat\n")
+    print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "
+          f"(range: lowest and highest repeat)\n")
     step = decode_step_ms(model, args.repeats, args.compile)
     compiled_step = f"compiled {step['compiled']:.2f} ms, " if args.compile else ""
     print(f"one 64-row decode step: engine decoder {compiled_step}eager {step['eager']:.2f} ms; "
           f"model(...) + DynamicCache {step['forward']:.2f} ms\n")
 
-    header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} "
+    header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} {'range':<11} "
               f"{'eager':>6} {'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
               f"{'KV generate':>12}")
     print(header)
     for workload in workloads(tokenizer, args.quick):
         runs = compare(model, tokenizer, workload, args.repeats, args.compile, eager=True)
         rates = {name: [r.tokens / r.seconds for r in rs] for name, rs in runs.items()}
-        ratio, eager_ratio = (
-            statistics.median(e / g for e, g in zip(rates[name], rates["generate"], strict=True))
-            for name in ("engine", "eager" if args.compile else "engine"))
+        ratios, eager_ratios = ([e / g for e, g in zip(rates[name], rates["generate"], strict=True)]
+                                for name in ("engine", "eager" if args.compile else "engine"))
         # Useful FLOPs of what each produced, over its median time.
         flops = {name: statistics.median(model_flops(model, r.completions, workload.groups) / r.seconds for r in rs)
                  for name, rs in runs.items()}
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}
         print(f"{workload.name:<10} {runs['engine'][0].tokens:>7} {statistics.median(rates['engine']):>13.0f} "
-              f"{statistics.median(rates['generate']):>15.0f} {ratio:>6.2f}x {eager_ratio:>5.2f}x "
+              f"{statistics.median(rates['generate']):>15.0f} {statistics.median(ratios):>6.2f}x "
+              f"{min(ratios):>5.2f}-{max(ratios):<5.2f} {statistics.median(eager_ratios):>5.2f}x "
               f"{flops['engine'] / 1e9:>15.1f} "
               f"{flops['engine'] / peak:>8.1%} {flops['generate'] / peak:>9.1%} {kv['engine']:>6.1f} MiB "
               f"{kv['generate']:>8.1f} MiB")
