@@ -43,6 +43,7 @@ import torch
 from llmrl.envs.arithmetic import prompt_messages, sample_problems
 from llmrl.inference.decoder import build_decoder
 from llmrl.inference.engine import LocalEngine
+from llmrl.inference.interface import run_in_new_loop
 from llmrl.models import load_model
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
@@ -141,7 +142,7 @@ def run_engine(model, tokenizer, workload: Workload, seed: int, compile: bool) -
         return await asyncio.gather(*(engine.agenerate(r) for r in requests))
 
     started = time.perf_counter()
-    results = asyncio.run(generate_all())
+    results = run_in_new_loop(generate_all())  # as the trainer runs its agents
     seconds = time.perf_counter() - started
     completions = [(len(r.prompt_token_ids), len(r.token_ids)) for responses in results for r in responses]
     assert [len(r[0].prompt_token_ids) for r in results] == [len(g.prompt_ids) for g in workload.groups]

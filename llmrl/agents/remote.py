@@ -44,7 +44,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from llmrl.agents.base import Agent, placeholder_rollout
-from llmrl.inference.interface import InferenceInterface
+from llmrl.inference.interface import InferenceInterface, run_in_new_loop
 from llmrl.server.env_server import (
     AgentStates,
     EvaluateRequest,
@@ -350,6 +350,6 @@ def _blocking(coroutine: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        return run_in_new_loop(coroutine)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+        return pool.submit(run_in_new_loop, coroutine).result()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from llmrl.types import InferenceRequest, InferenceResponse
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -31,10 +34,28 @@ class InferenceInterface(Protocol):
         ...
 
 
-def run_sync(coroutine: Any) -> Any:
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion from synchronous code (no event loop may be running)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        return run_in_new_loop(coroutine)
     raise RuntimeError("generate() was called inside a running event loop; await agenerate() instead")
+
+
+def run_in_new_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coroutine)``, without ever formatting its result as text.
+
+    On Python 3.11 and 3.12, ``asyncio.run`` on the main thread ends by looking up the SIGINT
+    handler it installed, and that lookup builds the repr of the main task, result included: for
+    a step's responses or rollouts, every token id and logprob as text (6 ms for 64 responses of
+    64 tokens, against 0.4 ms for the whole run of an empty loop). Here the main task returns
+    nothing; the result travels beside it.
+    """
+    results: list[T] = []
+
+    async def main() -> None:
+        results.append(await coroutine)
+
+    asyncio.run(main())
+    return results[0]

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from llmrl.config import InferenceConfig, ModelConfig
-from llmrl.inference.interface import run_sync
+from llmrl.inference.interface import run_in_new_loop, run_sync
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
 
 __all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
@@ -202,7 +202,7 @@ class OpenAIInterface:
             run_sync(coroutine)
             return
         with ThreadPoolExecutor(max_workers=1) as pool:  # called from a coroutine: use a loop of our own
-            pool.submit(asyncio.run, coroutine).result()
+            pool.submit(run_in_new_loop, coroutine).result()
 
     async def aupdate_weights(
         self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False

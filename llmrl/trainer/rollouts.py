@@ -11,7 +11,6 @@ advantages and picks the rollouts that reach the loss:
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import math
 from collections import defaultdict
@@ -27,6 +26,7 @@ from llmrl.algorithms.advantages import group_advantages
 from llmrl.algorithms.losses import loss_normalizer
 from llmrl.algorithms.shaping import soft_overlong_penalty
 from llmrl.config import AlgorithmConfig
+from llmrl.inference.interface import run_in_new_loop
 from llmrl.trainer.bank import BankedBatch, RolloutBank
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
@@ -216,7 +216,7 @@ class RolloutPipeline:
         self._worker.shutdown(wait=True)
 
     def _draw(self, step: int) -> list[RolloutGroup]:
-        groups = asyncio.run(
+        groups = run_in_new_loop(
             self.agents.group_rollouts(self.inference, self.num_groups, self.group_size, self.generation_args(step))
         )
         state = self.agents.state_dict()
