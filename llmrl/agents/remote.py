@@ -33,7 +33,6 @@ Behaviour:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 from collections import Counter
@@ -44,7 +43,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from llmrl.agents.base import Agent, placeholder_rollout
-from llmrl.inference.interface import InferenceInterface, run_in_new_loop
+from llmrl.inference.interface import InferenceInterface, run_blocking
 from llmrl.server.env_server import (
     AgentStates,
     EvaluateRequest,
@@ -197,7 +196,7 @@ class RemoteAgent(Agent):
 
     def check_problems(self) -> None:
         """Ask the server for its environments now: fails fast if it is unreachable or lacks ours."""
-        _blocking(self._with_context("reach", self._check_target(attempts=1)))
+        run_blocking(self._with_context("reach", self._check_target(attempts=1)))
 
     def state_dict(self) -> dict[str, Any]:
         """The remote environment's problem order (raises `RemoteError` if the server cannot give it)."""
@@ -207,7 +206,7 @@ class RemoteAgent(Agent):
             states = await self._call("GET", "/v1/state", AgentStates)
             return {"remote_env_id": target, "state": states.state[target]}
 
-        return _blocking(self._with_context("save the state of", fetch()))
+        return run_blocking(self._with_context("save the state of", fetch()))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the remote environment's problem order saved by `state_dict()`."""
@@ -221,7 +220,7 @@ class RemoteAgent(Agent):
                 )
             await self._call("POST", "/v1/state", AgentStates, AgentStates(state={target: state["state"]}))
 
-        _blocking(self._with_context("restore the state of", restore()))
+        run_blocking(self._with_context("restore the state of", restore()))
 
     def pop_metrics(self) -> dict[str, float]:
         """``failures/remote`` and ``placeholders`` of this agent, plus the server's own counters under ``remote/``."""
@@ -341,15 +340,3 @@ def _error_message(response: httpx.Response) -> str:
     except (ValueError, KeyError, TypeError):
         return response.text[:500]
 
-
-def _blocking(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run `coroutine` from synchronous code (checkpointing, start-up checks).
-
-    Inside a running event loop it runs on a fresh loop in a worker thread, blocking the caller.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return run_in_new_loop(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(run_in_new_loop, coroutine).result()

@@ -70,7 +70,7 @@ from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
-from llmrl.inference.interface import run_sync
+from llmrl.inference.interface import run_sync, running_loop
 from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, row_sampling, sample_tokens
 from llmrl.types import FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
 
@@ -260,7 +260,7 @@ class LocalEngine:
             driver = self._driver
             if driver is None:  # nothing is running: apply now, holding the lock so no step starts
                 self._apply_updates()
-        if driver is not None and driver.loop is not None and driver.loop is _running_loop():
+        if driver is not None and driver.loop is not None and driver.loop is running_loop():
             # Called from a coroutine of the loop that steps the batch: that loop is blocked here,
             # so step it from here until the update is applied.
             while not update.done.is_set() and self._iterate(driver):
@@ -568,13 +568,6 @@ class LocalEngine:
         self._running = []
         self._rows = None
         self._decoder.reset()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _default_eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -34,13 +35,29 @@ class InferenceInterface(Protocol):
         ...
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion from synchronous code (no event loop may be running)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if running_loop() is not None:
+        raise RuntimeError("generate() was called inside a running event loop; await agenerate() instead")
+    return run_in_new_loop(coroutine)
+
+
+def run_blocking(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from synchronous code, from anywhere: inside a running event
+    loop it runs on a fresh loop in a worker thread, blocking the caller (checkpointing, start-up
+    checks, weight updates)."""
+    if running_loop() is None:
         return run_in_new_loop(coroutine)
-    raise RuntimeError("generate() was called inside a running event loop; await agenerate() instead")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run_in_new_loop, coroutine).result()
 
 
 def run_in_new_loop(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -23,7 +23,6 @@ import threading
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import httpx
 
 from llmrl.config import InferenceConfig, ModelConfig
-from llmrl.inference.interface import run_in_new_loop, run_sync
+from llmrl.inference.interface import run_blocking, run_sync
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
 
 __all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
@@ -197,12 +196,7 @@ class OpenAIInterface:
         is sent as is; any other path must be a ``.safetensors`` file, which is streamed. Raises
         `WeightSyncError` when the server refuses or does not answer within `weight_sync_timeout_s`.
         """
-        coroutine = self._closing(self.aupdate_weights(state_dict_or_path, version, reset=reset))
-        if _running_loop() is None:
-            run_sync(coroutine)
-            return
-        with ThreadPoolExecutor(max_workers=1) as pool:  # called from a coroutine: use a loop of our own
-            pool.submit(run_in_new_loop, coroutine).result()
+        run_blocking(self._closing(self.aupdate_weights(state_dict_or_path, version, reset=reset)))
 
     async def aupdate_weights(
         self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
@@ -339,13 +333,6 @@ def _normalise_base_url(base_url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
     return url if url.endswith("/v1") else f"{url}/v1"
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _request_body(request: InferenceRequest, model: str) -> dict[str, Any]:

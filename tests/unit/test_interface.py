@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from llmrl.inference.interface import run_in_new_loop, run_sync
+from llmrl.inference.interface import run_blocking, run_in_new_loop, run_sync
 
 
 class ReprCounter:
@@ -33,6 +33,7 @@ def test_result_comes_back_without_being_formatted():
     results = [ReprCounter(), ReprCounter()]
     assert run_sync(returning(results)) is results
     assert run_in_new_loop(returning(results)) is results
+    assert run_blocking(returning(results)) is results
     assert [r.reprs for r in results] == [0, 0]
 
 
@@ -54,3 +55,15 @@ def test_run_sync_refuses_a_running_loop():
 
     with pytest.raises(RuntimeError, match="await agenerate"):
         asyncio.run(nested())
+
+
+def test_run_blocking_inside_a_running_loop_uses_a_loop_of_its_own():
+    async def caller():
+        outer = asyncio.get_running_loop()
+
+        async def inner():
+            return asyncio.get_running_loop() is not outer, threading.current_thread() is not threading.main_thread()
+
+        return run_blocking(inner())
+
+    assert asyncio.run(caller()) == (True, True)
