@@ -158,7 +158,6 @@ def run_generate(model, tokenizer, workload: Workload) -> Run:
     completions, cache_bytes = [], 0
     started = time.perf_counter()
     prompts = [chat_ids(tokenizer, g.messages) for g in workload.groups]
-    assert prompts == [g.prompt_ids for g in workload.groups]
     rows = [(ids, g.max_tokens) for ids, g in zip(prompts, workload.groups, strict=True) for _ in range(g.samples)]
     for start in range(0, len(rows), ROWS_PER_CALL):
         batch = rows[start : start + ROWS_PER_CALL]
@@ -178,7 +177,9 @@ def run_generate(model, tokenizer, workload: Workload) -> Run:
                 ends = [i for i, t in enumerate(tokens) if t in eos_ids]
                 tokens = tokens[: ends[0] + 1] if ends else tokens
             completions.append((len(ids), len(tokens)))
-    return Run(time.perf_counter() - started, completions, cache_bytes)
+    seconds = time.perf_counter() - started
+    assert prompts == [g.prompt_ids for g in workload.groups]  # the engine's prompts, token for token
+    return Run(seconds, completions, cache_bytes)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

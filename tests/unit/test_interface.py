@@ -1,4 +1,4 @@
-"""Running coroutines from synchronous code (`run_sync`, `run_in_new_loop`)."""
+"""Running coroutines from synchronous code (`run_sync`, `run_blocking`, `run_in_new_loop`)."""
 
 from __future__ import annotations
 
