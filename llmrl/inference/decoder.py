@@ -36,15 +36,15 @@ Two implementations:
   length capacity grows by a quarter in steps of 16; the cache is zero-filled, so masked positions
   never hold NaN (0 x NaN is NaN).
 
-  A decode step's forward pass (`_LlamaForward.decode`) writes no cache: each row attends to its
-  cached positions and to the new token through that token's own key and value (one more score
-  column under the same softmax); `decode` then writes every layer's new keys and values with one
-  indexed write each. Being pure, the forward pass can go through ``torch.compile`` whole
-  (``compile=True``): inductor fuses the ops between the matmuls into C++ loops, and weights,
-  caches and masks are graph inputs whose varying sizes are marked dynamic, so new weights and a
-  growing batch reuse one graph per attention kind. Measured (``bench/generation.py``): a 64-row
-  step 0.66-0.77x the eager time, ~1.2x the engine's tokens/s, after ~40 s of compilation per graph on a
-  2-core VM (seconds once inductor's disk cache has it).
+  A decode step (`_LlamaForward.step`) is one function of the weights, the caches and per-row
+  index tensors: it builds the masks and rotary rows, runs the forward pass, in which each row
+  attends to its cached positions and to the new token through that token's own key and value
+  (one more score column under the same softmax), and then writes every layer's new keys and
+  values with one indexed write each. So the whole step can go through ``torch.compile``
+  (``compile=True``): inductor fuses the ops between the matmuls into C++ loops, reinplaces the
+  cache writes, and calls it all from a generated C++ wrapper; weights and caches are graph
+  inputs whose varying sizes are marked dynamic, so new weights and a growing batch reuse one
+  graph per attention kind. Measured (``bench/generation.py``): see docs/engine.md, Performance.
 
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
   ``DynamicCache`` per prompt group (prefilled once, repeated to ``n`` rows), one forward per group
@@ -143,7 +143,8 @@ class _SharedPrompts(NamedTuple):
 
     keys: torch.Tensor  # shared_k: (layers, groups_cap, kv_heads, capacity, D)
     values: torch.Tensor
-    bias: torch.Tensor  # (B, span): 0 where a row attends its group's prompt position, -inf elsewhere
+    positions: torch.Tensor  # (span,) 0, 1, ...: the prompt positions attended (span >= every prompt)
+    lengths: torch.Tensor  # (B,): prompt positions of each row's group (0 for rows of inline groups)
     grid_rows: torch.Tensor  # (groups, width): the row at each cell of the query grid (0 where none)
     row_group: torch.Tensor  # (B,)
     row_slot: torch.Tensor  # (B,)
@@ -191,9 +192,8 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _LlamaForward:
     """The layers' arithmetic, shared by prefill and decode; holds only the architecture's constants.
 
-    `decode` is a pure function of its inputs (it writes no cache), so ``torch.compile`` can take
-    it whole: weights, caches and masks are graph inputs, and new weights or a grown cache need no
-    recompilation.
+    `step` reads and writes nothing but its inputs, so ``torch.compile`` can take it whole:
+    weights and caches are graph inputs, and new weights or a grown cache need no recompilation.
     """
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, *, eps: float, act_fn: torch.nn.Module):
@@ -218,6 +218,31 @@ class _LlamaForward:
     def logits(self, hidden: torch.Tensor, weights: _Weights) -> torch.Tensor:
         return F.linear(self.rms_norm(hidden, weights.final_norm), weights.lm_head, weights.lm_head_bias)
 
+    def step(self, weights: _Weights, tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
+             rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor, shared: _SharedPrompts | None
+             ) -> torch.Tensor:
+        """One decode step of every row: next-token logits (B, V), and each row's new key and value
+        written into the row caches `row_k`/`row_v` at its position ``cached[row]``.
+
+        Rows attend to their cache's first ``span`` positions (`positions`: 0, 1, ..., ``span - 1``,
+        every ``cached[row] <= span`` and ``span`` below the capacity), masked from ``cached[row]``
+        on. A separate tensor rather than a sliced cache: a compiled step then sees whole caches,
+        whose strides follow their sizes, and the span is never the whole capacity, a coincidence
+        a compiled step would specialise on. Masks and rotary rows are built here rather than by
+        the caller, so a compiled step runs them in its fused loops instead of as a dozen small
+        eager ops. `rotation_table` is indexed by position: complex (eager) or real (compiled)
+        rows for `_rotate`.
+        """
+        rows = tokens.shape[0]
+        row_bias = _additive_mask(positions < cached[:, None], row_k.dtype)
+        rotation = rotation_table[cached if shared is None else shared.lengths + cached].unsqueeze(-2)  # over the heads
+        logits, keys, values = self.decode(weights, tokens, rotation, row_bias, row_k, row_v, shared)
+        # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
+        index = torch.arange(rows, device=tokens.device)
+        row_k[:, index, :, cached] = keys
+        row_v[:, index, :, cached] = values
+        return logits
+
     def decode(self, weights: _Weights, tokens: torch.Tensor, rotation: torch.Tensor, row_bias: torch.Tensor,
                row_k: torch.Tensor, row_v: torch.Tensor, shared: _SharedPrompts | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -239,11 +264,11 @@ class _LlamaForward:
             values.append(value)
             # Query heads grouped by their kv head, (B, Hkv, G, D): no repeated keys for GQA.
             q = qk[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
-            cached = (row_k[index, :rows, :, :span], row_v[index, :rows, :, :span])
+            own = (row_k[index, :rows, :, :span], row_v[index, :rows, :, :span])
             if shared is None:
-                attn = self._attention(q, cached, bias, key, value)
+                attn = self._attention(q, own, bias, key, value)
             else:
-                attn = self._cascade(q, index, shared, cached, bias, key, value)
+                attn = self._cascade(q, index, shared, own, bias, key, value)
             x = self.mlp_residual(_add_linear(x, attn.reshape(rows, heads * dim), layer.o_weight, layer.o_bias), layer)
         return self.logits(x, weights), torch.stack(keys, 1), torch.stack(values, 1)
 
@@ -282,12 +307,13 @@ class _LlamaForward:
         """
         groups, width = shared.grid_rows.shape
         rows, kv_heads, per_kv, dim = q.shape
-        prompt = shared.bias.shape[1]
+        prompt = shared.positions.shape[0]
+        prompt_bias = _additive_mask(shared.positions < shared.lengths[:, None], q.dtype)
         prompt_keys = shared.keys[index, :groups, :, :prompt]  # (groups, Hkv, P, D)
         query_grid = q[shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, width * per_kv, dim)
         prompt_scores = torch.matmul(query_grid, prompt_keys.transpose(-1, -2)).view(groups, kv_heads, width, per_kv,
                                                                                   prompt)
-        prompt_scores = prompt_scores[shared.row_group, :, shared.row_slot] + shared.bias[:, None, None, :]
+        prompt_scores = prompt_scores[shared.row_group, :, shared.row_slot] + prompt_bias[:, None, None, :]
         scores = torch.cat([prompt_scores, *self._own_scores(q, cached, bias, key)], dim=-1)  # (B, Hkv, G, P + span + 1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         prob_grid = probs[..., :prompt][shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads,
@@ -317,19 +343,24 @@ _FORWARDS: dict[tuple, _LlamaForward] = {}
 
 
 @functools.cache
-def _compiled_decode(forward: _LlamaForward) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`forward.decode` through ``torch.compile``, with the batch's sizes marked dynamic up front.
+def _compiled_step(forward: _LlamaForward) -> Callable[..., torch.Tensor]:
+    """`forward.step` through ``torch.compile``, with the batch's sizes marked dynamic up front.
 
     Rows, cached positions, prompt lengths and cache capacities change from step to step; marked
     dynamic, one graph serves them all (without the marks, automatic dynamic shapes would compile
     once static and again dynamic). Duck sizing is off for the call, or two sizes that happen to
     be equal (64 rows and 64 positions) would share a symbol and recompile when they part.
+
+    Inductor's C++ wrapper (``cpp_wrapper``) calls the step's ~60 kernels from generated C++
+    instead of Python: a 64-row step of the tiny model took ~0.75x the time of the Python
+    wrapper's (``bench/generation.py``), for a longer first compilation.
     """
-    compiled = torch.compile(forward.decode, fullgraph=True)
-    marks = {"tokens": (0,), "rotation": (0,), "row_bias": (0, 1), "row_k": (1, 3), "row_v": (1, 3)}
-    shared_marks = {"keys": (1, 3), "values": (1, 3), "bias": (0, 1), "grid_rows": (0, 1), "row_group": (0,),
-                    "row_slot": (0,)}
-    names = ("weights", "tokens", "rotation", "row_bias", "row_k", "row_v", "shared")
+    compiled = torch.compile(forward.step, fullgraph=True, options={"cpp_wrapper": True})
+    marks = {"tokens": (0,), "cached": (0,), "positions": (0,), "rotation_table": (0,), "row_k": (1, 3),
+             "row_v": (1, 3)}
+    shared_marks = {"keys": (1, 3), "values": (1, 3), "positions": (0,), "lengths": (0,), "grid_rows": (0, 1),
+                    "row_group": (0,), "row_slot": (0,)}
+    names = ("weights", "tokens", "cached", "positions", "rotation_table", "row_k", "row_v", "shared")
 
     def run(*inputs):
         for name, value in zip(names, inputs, strict=True):
@@ -340,8 +371,13 @@ def _compiled_decode(forward: _LlamaForward) -> Callable[..., tuple[torch.Tensor
             for name, dims in shared_marks.items():
                 for dim in dims:
                     torch._dynamo.maybe_mark_dynamic(getattr(shared, name), dim)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # Set and restored directly: the config's `patch` context manager costs ~20 us a step.
+        config = torch.fx.experimental._config
+        duck_shape, config.use_duck_shape = config.use_duck_shape, False
+        try:
             return compiled(*inputs)
+        finally:
+            config.use_duck_shape = duck_shape
 
     return run
 
@@ -394,10 +430,11 @@ class LlamaFamilyDecoder:
         self.vocab_size = model.lm_head.out_features
         self.forward = _llama_forward(self.num_heads, self.num_kv_heads, self.head_dim,
                                       model.model.norm.variance_epsilon, model.model.layers[0].mlp.act_fn)
-        self._compiled_decode = _compiled_decode(self.forward) if compile else None
+        self._compiled_decode = _compiled_step(self.forward) if compile else None
         # Least size of the grid's and the row span's dimensions: 2 for compiled steps, which would
         # specialise a dimension of size 1 into a graph of its own.
         self._least_size = 2 if compile else 1
+        self._positions = torch.empty(0, device=self.device, dtype=torch.int64)  # 0, 1, ...: spans are its slices
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)
         self._real_rotation = torch.empty(0, 2, self.head_dim, device=self.device)  # for compiled steps (`_rotate`)
         self.refresh_weights()
@@ -477,7 +514,6 @@ class LlamaFamilyDecoder:
         self._grid_rows = grid.to(device)
         self._row_group = torch.tensor(self.row_group, dtype=torch.int64, device=device)
         self._row_slot = torch.tensor(slots, dtype=torch.int64, device=device)
-        self._row_index = torch.arange(self.num_rows, device=device)
         self._cached = torch.tensor(self.cached, dtype=torch.int64, device=device)
         shared = [self.shared_lengths[g] for g in self.row_group]
         self._row_shared = torch.tensor(shared, dtype=torch.int64, device=device)
@@ -510,6 +546,7 @@ class LlamaFamilyDecoder:
             probe = torch.empty(0, device=self.device, dtype=torch.float32)
             cos, sin = self.model.model.rotary_emb(probe, torch.arange(table, device=self.device)[None])
             cos, sin = cos[0, :, : self.head_dim // 2].float(), sin[0, :, : self.head_dim // 2].float()
+            self._positions = torch.arange(table, device=self.device)
             self._rotation = torch.complex(cos, sin)  # (table, D/2)
             # (table, 2, D) in pair order: each cosine twice, each sine as (-sin, sin).
             self._real_rotation = torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], 1)
@@ -598,35 +635,29 @@ class LlamaFamilyDecoder:
         rows = self.num_rows
         assert tokens.shape == (rows,)
         self._reserve("row", rows, max(self.cached) + 1)
-        # Each row attends its cached positions (masked where nothing is cached yet) plus the new
-        # token, which the forward pass returns rather than writes (`_LlamaForward.decode`).
-        span = torch.arange(max([*self.cached, self._least_size]), device=self.device)
-        row_bias = _additive_mask(span < self._cached[:, None], self.dtype)  # (B, span)
+        # Each row attends its cached positions plus the new token, which `_LlamaForward.step`
+        # then writes at position `cached`, inside the capacity just reserved.
+        span = max([*self.cached, self._least_size])
         shared = None
         if any(self.shared_lengths):
-            span = torch.arange(max(self.shared_lengths), device=self.device)
-            shared = _SharedPrompts(self.shared_k, self.shared_v, _additive_mask(span < self._row_shared[:, None], self.dtype),
+            prompt = max([*self.shared_lengths, self._least_size])
+            shared = _SharedPrompts(self.shared_k, self.shared_v, self._positions[:prompt], self._row_shared,
                                     self._grid_rows, self._row_group, self._row_slot)
-        positions = self._row_shared + self._cached  # each row's new token
-        caches = (row_bias, self.row_k, self.row_v, shared)
-        step = None
+        caches = (self.row_k, self.row_v, shared)
+        logits = None
         if self._compiled_decode is not None and rows > 1:  # one row: a size-1 dim would get a graph of its own
-            step = self._compiled_step(tokens, self._real_rotation[positions, :, None], caches)
-        if step is None:
-            step = self.forward.decode(self.weights, tokens, self._rotation[positions, None], *caches)
-        logits, keys, values = step
-        # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
-        self.row_k[:, self._row_index, :, self._cached] = keys
-        self.row_v[:, self._row_index, :, self._cached] = values
+            logits = self._compiled_forward(tokens, self._positions[:span], caches)
+        if logits is None:
+            logits = self.forward.step(self.weights, tokens, self._cached, self._positions[:span], self._rotation,
+                                       *caches)
         self.cached = [n + 1 for n in self.cached]
         self._cached = self._cached + 1
         return logits
 
-    def _compiled_step(self, tokens: torch.Tensor, rotation: torch.Tensor, caches: tuple
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The compiled forward pass; None (and eager steps from now on) if it fails."""
+    def _compiled_forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple) -> torch.Tensor | None:
+        """The compiled step; None (and eager steps from now on) if it fails."""
         try:
-            return self._compiled_decode(self.weights, tokens, rotation, *caches)
+            return self._compiled_decode(self.weights, tokens, self._cached, positions, self._real_rotation, *caches)
         except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: eager steps give the same result
             logger.warning("compiled decode step failed, decoding without torch.compile from now on: %s", exc)
             self._compiled_decode = None
