@@ -351,9 +351,10 @@ def _compiled_step(forward: _LlamaForward) -> Callable[..., torch.Tensor]:
     once static and again dynamic). Duck sizing is off for the call, or two sizes that happen to
     be equal (64 rows and 64 positions) would share a symbol and recompile when they part.
 
-    Inductor's C++ wrapper (``cpp_wrapper``) calls the step's ~60 kernels from generated C++
-    instead of Python: a 64-row step of the tiny model took ~0.75x the time of the Python
-    wrapper's (``bench/generation.py``), for a longer first compilation.
+    Inductor's C++ wrapper (``cpp_wrapper``) calls the step's ~60 kernels and matmuls from
+    generated C++ instead of Python: a 64-row step of the tiny model took 0.95x the time of the
+    same graph with the Python wrapper (docs/engine.md, Performance), for no measurable extra
+    compilation.
     """
     compiled = torch.compile(forward.step, fullgraph=True, options={"cpp_wrapper": True})
     marks = {"tokens": (0,), "cached": (0,), "positions": (0,), "rotation_table": (0,), "row_k": (1, 3),

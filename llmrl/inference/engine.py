@@ -165,7 +165,7 @@ class LocalEngine:
             seed: seeds the generator that picks a seed for each request without one (None: from
                 the OS).
             compile: run decode steps through ``torch.compile`` (Llama/Qwen2 decoder only): a step
-                in 0.66-0.77x the eager time once compiled, after a one-off compilation of tens of
+                in 0.73-0.78x the eager time once compiled, after a one-off compilation of tens of
                 seconds (docs/engine.md).
         """
         if max_batch_tokens < 1:
