@@ -9,7 +9,7 @@ Workloads (completion tokens per second, higher is better):
   long-tail  128 prompts whose completion lengths vary 8x (16..128 tokens, eos ignored), at most
              64 sequences at once
 
-The engine runs its decode steps through torch.compile (`--no-compile`: eager only); the
+The engine runs its decode steps compiled by AOTInductor (`--no-compile`: eager only); the
 compilation happens once, in a warm-up before any timing, and its time is printed. Each table row
 also gives the eager engine's ratio, measured in the same repeats.
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="engine decode steps without torch.compile")
+                        help="engine decode steps eager, not compiled")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         shared = Workload("shared", [long_prompt_group(tokenizer, 256, 16)], ignore_eos=True)
         for workload in [*workloads(tokenizer, quick=True), shared]:
             run_engine(model, tokenizer, workload, 0, compile=True)
-        print(f"engine warm-up with torch.compile (once per process; compiled code is cached on disk): "
+        print(f"engine warm-up, compiling its decode steps ahead of time (once; packages are cached on disk): "
               f"{time.perf_counter() - began:.1f} s")
     print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "
           f"(range: lowest and highest repeat)\n")

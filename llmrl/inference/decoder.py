@@ -40,11 +40,12 @@ Two implementations:
   index tensors: it builds the masks and rotary rows, runs the forward pass, in which each row
   attends to its cached positions and to the new token through that token's own key and value
   (one more score column under the same softmax), and then writes every layer's new keys and
-  values with one indexed write each. So the whole step can go through ``torch.compile``
-  (``compile=True``): inductor fuses the ops between the matmuls into C++ loops, reinplaces the
-  cache writes, and calls it all from a generated C++ wrapper; weights and caches are graph
-  inputs whose varying sizes are marked dynamic, so new weights and a growing batch reuse one
-  graph per attention kind. Measured (``bench/generation.py``): see docs/engine.md, Performance.
+  values with one indexed write each. So the whole step can be compiled ahead of time
+  (``compile=True``, `_PackagedStep`): ``torch.export`` takes it whole and AOTInductor fuses the
+  ops between the matmuls into C++ loops, writes the caches in place and calls it all from
+  generated C++, with no guards or Python wrappers per step; weights and caches are inputs whose
+  varying sizes are named dynamic dimensions, so new weights and a growing batch reuse one
+  package per attention kind. Measured (``bench/generation.py``): see docs/engine.md, Performance.
 
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
   ``DynamicCache`` per prompt group (prefilled once, repeated to ``n`` rows), one forward per group
@@ -54,14 +55,23 @@ Two implementations:
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.export import Dim
 from transformers import DynamicCache
+
+from llmrl.models.tiny import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +111,7 @@ class Decoder(Protocol):
 
 def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None, compile: bool = False) -> Decoder:
     """`LlamaFamilyDecoder` where the architecture allows it (`compile`: its decode steps through
-    ``torch.compile``), else the generic `HFDecoder`."""
+    AOTInductor), else the generic `HFDecoder`."""
     if LlamaFamilyDecoder.supports(model):
         return LlamaFamilyDecoder(model, max_rows=max_rows, compile=compile)
     return HFDecoder(model)
@@ -192,7 +202,7 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _LlamaForward:
     """The layers' arithmetic, shared by prefill and decode; holds only the architecture's constants.
 
-    `step` reads and writes nothing but its inputs, so ``torch.compile`` can take it whole:
+    `step` reads and writes nothing but its inputs, so ``torch.export`` can take it whole:
     weights and caches are graph inputs, and new weights or a grown cache need no recompilation.
     """
 
@@ -226,9 +236,8 @@ class _LlamaForward:
 
         Rows attend to their cache's first ``span`` positions (`positions`: 0, 1, ..., ``span - 1``,
         every ``cached[row] <= span`` and ``span`` below the capacity), masked from ``cached[row]``
-        on. A separate tensor rather than a sliced cache: a compiled step then sees whole caches,
-        whose strides follow their sizes, and the span is never the whole capacity, a coincidence
-        a compiled step would specialise on. Masks and rotary rows are built here rather than by
+        on. A separate tensor rather than a sliced cache: a compiled step then takes whole caches,
+        whose strides follow their (dynamic) sizes. Masks and rotary rows are built here rather than by
         the caller, so a compiled step runs them in its fused loops instead of as a dozen small
         eager ops. `rotation_table` is indexed by position: complex (eager) or real (compiled)
         rows for `_rotate`.
@@ -342,45 +351,127 @@ def _llama_forward(heads: int, kv_heads: int, head_dim: int, eps: float, act_fn:
 _FORWARDS: dict[tuple, _LlamaForward] = {}
 
 
-@functools.cache
-def _compiled_step(forward: _LlamaForward) -> Callable[..., torch.Tensor]:
-    """`forward.step` through ``torch.compile``, with the batch's sizes marked dynamic up front.
+class _StepModule(torch.nn.Module):
+    """`_LlamaForward.step` on flat inputs, the form ``torch.export`` takes: the weights as a list
+    (of tensors, None for absent biases; `spec` rebuilds the `_Weights`), the shared prompts as a
+    tuple or None."""
 
-    Rows, cached positions, prompt lengths and cache capacities change from step to step; marked
-    dynamic, one graph serves them all (without the marks, automatic dynamic shapes would compile
-    once static and again dynamic). Duck sizing is off for the call, or two sizes that happen to
-    be equal (64 rows and 64 positions) would share a symbol and recompile when they part.
+    def __init__(self, forward: _LlamaForward, spec: pytree.TreeSpec):
+        super().__init__()
+        self.step, self.spec = forward.step, spec
 
-    Inductor's C++ wrapper (``cpp_wrapper``) calls the step's ~60 kernels and matmuls from
-    generated C++ instead of Python: a 64-row step of the tiny model took 0.95x the time of the
-    same graph with the Python wrapper (docs/engine.md, Performance), for no measurable extra
-    compilation.
+    def forward(self, leaves: list[torch.Tensor], tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
+                rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor,
+                shared: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        weights = pytree.tree_unflatten(leaves, self.spec)
+        return self.step(weights, tokens, cached, positions, rotation_table, row_k, row_v,
+                         None if shared is None else _SharedPrompts(*shared))
+
+
+class _PackagedStep:
+    """`_LlamaForward.step` compiled ahead of time by AOTInductor, one package per attention kind
+    (rows only, or with shared prompts), built at the kind's first step and kept on disk.
+
+    Why not ``torch.compile``: its call goes through dynamo's guards and the AOT dispatcher's
+    wrappers on every step, while a package's runner calls the generated C++ directly; a 64-row
+    step of the tiny model took 0.83x the time of the same step through ``torch.compile`` (with
+    inductor's C++ wrapper), measured in one process (docs/engine.md, Performance). Exported with
+    every size that varies between steps as a named dynamic dimension (rows, attended span,
+    capacities, prompt lengths, the query grid), so one package serves a whole run and any batch;
+    the weights are inputs, so new weights need no new package. Dimensions start at 2: the
+    decoder pads what could be 1 (`LlamaFamilyDecoder._least_size`).
+
+    Packages live in ``$LLMRL_CACHE_DIR/compiled`` under a hash of everything the generated code
+    depends on (torch version, CPU capability, this module's source, the architecture's constants,
+    the weights' shapes and dtypes, the device), so a second run, or a second engine in the same
+    process, loads one in about a second instead of compiling it (~30-50 s on 2 cores).
     """
-    compiled = torch.compile(forward.step, fullgraph=True, options={"cpp_wrapper": True})
-    marks = {"tokens": (0,), "cached": (0,), "positions": (0,), "rotation_table": (0,), "row_k": (1, 3),
-             "row_v": (1, 3)}
-    shared_marks = {"keys": (1, 3), "values": (1, 3), "positions": (0,), "lengths": (0,), "grid_rows": (0, 1),
-                    "row_group": (0,), "row_slot": (0,)}
-    names = ("weights", "tokens", "cached", "positions", "rotation_table", "row_k", "row_v", "shared")
 
-    def run(*inputs):
-        for name, value in zip(names, inputs, strict=True):
-            for dim in marks.get(name, ()):
-                torch._dynamo.maybe_mark_dynamic(value, dim)
-        shared = inputs[-1]
-        if shared is not None:
-            for name, dims in shared_marks.items():
-                for dim in dims:
-                    torch._dynamo.maybe_mark_dynamic(getattr(shared, name), dim)
-        # Set and restored directly: the config's `patch` context manager costs ~20 us a step.
-        config = torch.fx.experimental._config
-        duck_shape, config.use_duck_shape = config.use_duck_shape, False
-        try:
-            return compiled(*inputs)
-        finally:
-            config.use_duck_shape = duck_shape
+    def __init__(self, forward: _LlamaForward):
+        self.forward = forward
+        self.runners: dict[tuple, Callable[..., torch.Tensor]] = {}
+        """Loaded packages by attention kind and weight shapes (models of one architecture can differ in sizes)."""
+        self.built: list[str] = []
+        """Attention kinds compiled by this process (the others came from the disk cache)."""
+        self._weights: _Weights | None = None
+        self._leaves: list[torch.Tensor | None] = []
+        self._spec: pytree.TreeSpec | None = None
+        self._shapes: tuple = ()
 
-    return run
+    def __call__(self, weights: _Weights, tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
+                 rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor,
+                 shared: _SharedPrompts | None) -> torch.Tensor:
+        if weights is not self._weights:  # flattened once per set of weights, not per step
+            self._leaves, self._spec = pytree.tree_flatten(weights)
+            self._shapes = (str(self._spec), *(None if t is None else (tuple(t.shape), str(t.dtype), str(t.device))
+                                               for t in self._leaves))
+            self._weights = weights
+        inputs = (self._leaves, tokens, cached, positions, rotation_table, row_k, row_v,
+                  None if shared is None else tuple(shared))
+        kind = "rows" if shared is None else "shared"
+        runner = self.runners.get((kind, self._shapes, row_k.dtype))
+        if runner is None:
+            runner = self.runners[kind, self._shapes, row_k.dtype] = self._load(kind, inputs)
+        return runner(*inputs)
+
+    def _load(self, kind: str, inputs: tuple) -> Callable[..., torch.Tensor]:
+        path = self._package_path(kind, inputs)
+        if not path.is_file():
+            logger.info("compiling the %s decode step ahead of time into %s (once; ~30-50 s)", kind, path)
+            self._build(kind, inputs, path)
+            self.built.append(kind)
+        return torch._inductor.aoti_load_package(str(path))
+
+    def _package_path(self, kind: str, inputs: tuple) -> Path:
+        forward, device = self.forward, inputs[1].device
+        key = json.dumps({
+            "torch": torch.__version__,
+            "cpu": torch.backends.cpu.get_cpu_capability(),
+            "device": device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
+            "source": _SOURCE_DIGEST,
+            "architecture": [forward.heads, forward.kv_heads, forward.head_dim, forward.eps, repr(forward.act_fn)],
+            "weights": self._shapes,
+            "caches": str(inputs[5].dtype),
+            "kind": kind,
+        }, sort_keys=True)
+        return cache_root() / "compiled" / f"decode-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
+
+    def _build(self, kind: str, inputs: tuple, path: Path) -> None:
+        rows, span = Dim("rows", min=2), Dim("span", min=2)
+        row_entries, row_length = Dim("row_entries", min=2), Dim("row_length", min=2)
+        shared_shapes = None
+        if kind == "shared":
+            groups, shared_length = Dim("groups", min=2), Dim("shared_length", min=2)
+            grid = {0: Dim("grid_groups", min=2), 1: Dim("grid_width", min=2)}
+            shared_shapes = ({1: groups, 3: shared_length}, {1: groups, 3: shared_length}, {0: Dim("prompt", min=2)},
+                             {0: rows}, grid, {0: rows}, {0: rows})
+        dynamic_shapes = ([None] * len(inputs[0]), {0: rows}, {0: rows}, {0: span}, {0: Dim("table", min=2)},
+                          {1: row_entries, 3: row_length}, {1: row_entries, 3: row_length}, shared_shapes)
+        # Export traces shapes only; it takes normal tensors (the decoder's may be inference tensors).
+        # torch's own serialisation of the weights' tree warns of a deprecation within torch.
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+            examples = pytree.tree_map(lambda t: None if t is None else torch.empty_like(t), inputs)
+            program = torch.export.export(_StepModule(self.forward, self._spec), examples,
+                                          dynamic_shapes=dynamic_shapes, strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(f".{os.getpid()}-{path.name}")  # readers never see a partial package
+            try:
+                torch._inductor.aoti_compile_and_package(program, package_path=str(staging))
+                os.replace(staging, path)
+            finally:
+                staging.unlink(missing_ok=True)
+
+
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+"""This module as imported: a package built from other code is never loaded."""
+
+
+@functools.cache
+def _packaged_step(forward: _LlamaForward) -> _PackagedStep:
+    """One `_PackagedStep` per architecture: every decoder of it in a process (an engine per run,
+    per benchmark repeat) shares its loaded packages."""
+    return _PackagedStep(forward)
 
 
 class LlamaFamilyDecoder:
@@ -414,7 +505,7 @@ class LlamaFamilyDecoder:
     def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM,
                  compile: bool = False):
         """`max_rows` caps how far row capacity doubles (rows beyond it are still served);
-        `share_from` overrides `SHARE_FROM`; `compile` runs decode steps through ``torch.compile``
+        `share_from` overrides `SHARE_FROM`; `compile` runs decode steps compiled by AOTInductor
         (module docstring)."""
         assert self.supports(model)
         config = model.config
@@ -431,9 +522,9 @@ class LlamaFamilyDecoder:
         self.vocab_size = model.lm_head.out_features
         self.forward = _llama_forward(self.num_heads, self.num_kv_heads, self.head_dim,
                                       model.model.norm.variance_epsilon, model.model.layers[0].mlp.act_fn)
-        self._compiled_decode = _compiled_step(self.forward) if compile else None
-        # Least size of the grid's and the row span's dimensions: 2 for compiled steps, which would
-        # specialise a dimension of size 1 into a graph of its own.
+        self._compiled_decode = _packaged_step(self.forward) if compile else None
+        # Least size of the grid's and the row span's dimensions: 2 for compiled steps, whose
+        # dynamic dimensions start at 2 (export specialises a dimension of size 1).
         self._least_size = 2 if compile else 1
         self._positions = torch.empty(0, device=self.device, dtype=torch.int64)  # 0, 1, ...: spans are its slices
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)
@@ -646,7 +737,7 @@ class LlamaFamilyDecoder:
                                     self._grid_rows, self._row_group, self._row_slot)
         caches = (self.row_k, self.row_v, shared)
         logits = None
-        if self._compiled_decode is not None and rows > 1:  # one row: a size-1 dim would get a graph of its own
+        if self._compiled_decode is not None and rows > 1:  # a package's dimensions start at 2
             logits = self._compiled_forward(tokens, self._positions[:span], caches)
         if logits is None:
             logits = self.forward.step(self.weights, tokens, self._cached, self._positions[:span], self._rotation,
@@ -660,7 +751,7 @@ class LlamaFamilyDecoder:
         try:
             return self._compiled_decode(self.weights, tokens, self._cached, positions, self._real_rotation, *caches)
         except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: eager steps give the same result
-            logger.warning("compiled decode step failed, decoding without torch.compile from now on: %s", exc)
+            logger.warning("compiled decode step failed, decoding eagerly from now on: %s", exc)
             self._compiled_decode = None
             return None
 
