@@ -196,6 +196,7 @@ class LocalEngine:
         # Owned by the driver:
         self._running: list[_Sequence] = []  # in the decoder's row order
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
+        self._cancellations = False  # set when a request's future is cancelled, from any thread
 
     @classmethod
     def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int) -> LocalEngine:
@@ -298,14 +299,21 @@ class LocalEngine:
                 raise ValueError(f"{field_name}: {outside[:5]} outside the vocabulary of {vocab} tokens")
         with self._lock:  # random.Random is not safe to share between threads
             seed = args.seed if args.seed is not None else self._seeds.getrandbits(63)
+        future = Future()
+        future.add_done_callback(self._note_cancellation)
         return _Request(
             prompt_ids=prompt_ids,
             args=args,
             n=request.n,
             seed=seed,
             stop_ids=self._eos_ids | frozenset(args.stop_token_ids),
-            future=Future(),
+            future=future,
         )
+
+    def _note_cancellation(self, future: Future) -> None:
+        """Done callback of every request's future, in the thread that finished it."""
+        if future.cancelled():
+            self._cancellations = True
 
     def _tokenize(self, request: InferenceRequest) -> list[int]:
         """Prompt ids: the chat template or the plain text, after `prompt_token_ids` when given."""
@@ -412,11 +420,14 @@ class LocalEngine:
 
         Returns the requests to prefill this step, or None when there is nothing to do.
         """
-        # One check per request, not per row: `Future.cancelled` takes a lock, and a step has
-        # many rows per request (a GRPO group).
-        if any(request.future.cancelled() for request in {seq.request for seq in self._running}):
+        # Rows are looked at only after a cancellation (`_note_cancellation`): `Future.cancelled`
+        # takes a lock, and a step has up to `max_concurrent` requests. Cleared before the scan,
+        # so a cancellation during it is seen next step.
+        if self._cancellations:
+            self._cancellations = False
             cancelled = [row for row, seq in enumerate(self._running) if seq.request.future.cancelled()]
-            self._remove_rows(cancelled)
+            if cancelled:
+                self._remove_rows(cancelled)
         if self._updates and (not self._running or self.weight_update == "abort"):
             if self._running:
                 for seq in self._running:
