@@ -194,6 +194,11 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(pairs * rotation[:, 0], swapped, rotation[:, 1]).to(x.dtype)
 
 
+def _prompt_mask(lengths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(N, 1, P, P) attention mask of right-padded prompts: causal, and no key beyond a prompt's end."""
+    return ((positions[None, :] <= positions[:, None]) & (positions < lengths[:, None, None]))[:, None]
+
+
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where `allowed`, -inf elsewhere."""
     return torch.zeros(allowed.shape, device=allowed.device, dtype=dtype).masked_fill_(~allowed, float("-inf"))
@@ -227,6 +232,46 @@ class _LlamaForward:
 
     def logits(self, hidden: torch.Tensor, weights: _Weights) -> torch.Tensor:
         return F.linear(self.rms_norm(hidden, weights.final_norm), weights.lm_head, weights.lm_head_bias)
+
+    def prefill(self, weights: _Weights, ids: torch.Tensor, lengths: torch.Tensor, rotation: torch.Tensor,
+                mask: torch.Tensor | None, write: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """Forward of right-padded prompts `ids` (N, P): logits at each prompt's last position (N, V).
+
+        `write(layer, keys, values)` stores each layer's (N, Hkv, P, D) keys and values; `mask`
+        (N, 1, P, P) hides padding (None: prompts of one length, plain causal attention, the
+        fastest kernel); `rotation` holds the positions' rotary rows, broadcastable over heads.
+        """
+        num_prompts, width = ids.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, weights.embed)  # (N, P, hidden)
+        for index, layer in enumerate(weights.layers):
+            qkv = F.linear(self.rms_norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)  # (N, P, (H + 2 Hkv) D)
+            qk = qkv[..., : (heads + kv_heads) * dim].view(num_prompts, width, heads + kv_heads, dim)
+            qk = _rotate(qk, rotation).transpose(1, 2)  # (N, H + Hkv, P, D)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[..., (heads + kv_heads) * dim :].view(num_prompts, width, kv_heads, dim).transpose(1, 2)
+            write(index, k, v)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0,
+                                                  enable_gqa=heads != kv_heads)
+            attn = attn.transpose(1, 2).reshape(num_prompts, width, heads * dim)  # (N, P, H D)
+            x = self.mlp_residual(x + F.linear(attn, layer.o_weight, layer.o_bias), layer)
+        last = x[torch.arange(num_prompts, device=ids.device), lengths - 1]  # (N, hidden)
+        return self.logits(last, weights)
+
+    def prefill_rows(self, weights: _Weights, ids: torch.Tensor, lengths: torch.Tensor, rotation_table: torch.Tensor,
+                     row_k: torch.Tensor, row_v: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor
+                     ) -> torch.Tensor:
+        """`prefill` of prompts copied into rows, as one function of its inputs (for a compiled
+        prefill): row ``targets[i]`` of `row_k`/`row_v` gets prompt ``sources[i]``'s keys and values
+        at positions ``0 .. P - 1``; `rotation_table` holds real rows (`_rotate`) by position."""
+        positions = torch.arange(ids.shape[1], device=ids.device)
+
+        def write(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            row_k[layer, targets, :, : ids.shape[1]] = keys[sources]
+            row_v[layer, targets, :, : ids.shape[1]] = values[sources]
+
+        return self.prefill(weights, ids, lengths, rotation_table[positions].unsqueeze(-2),
+                            _prompt_mask(lengths, positions), write)
 
     def step(self, weights: _Weights, tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
              rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor, shared: _SharedPrompts | None
@@ -351,35 +396,36 @@ def _llama_forward(heads: int, kv_heads: int, head_dim: int, eps: float, act_fn:
 _FORWARDS: dict[tuple, _LlamaForward] = {}
 
 
-class _StepModule(torch.nn.Module):
-    """`_LlamaForward.step` on flat inputs, the form ``torch.export`` takes: the weights as a list
-    (of tensors, None for absent biases; `spec` rebuilds the `_Weights`), the shared prompts as a
-    tuple or None."""
+class _ExportedFunction(torch.nn.Module):
+    """A `_LlamaForward` function on flat inputs, the form ``torch.export`` takes: the weights as
+    a list (of tensors, None for absent biases; `spec` rebuilds the `_Weights`), the rest as
+    given, a decode step's shared prompts as a tuple or None."""
 
-    def __init__(self, forward: _LlamaForward, spec: pytree.TreeSpec):
+    def __init__(self, function: Callable[..., torch.Tensor], spec: pytree.TreeSpec, shared_last: bool = False):
         super().__init__()
-        self.step, self.spec = forward.step, spec
+        self.function, self.spec, self.shared_last = function, spec, shared_last
 
-    def forward(self, leaves: list[torch.Tensor], tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
-                rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor,
-                shared: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    def forward(self, leaves: list[torch.Tensor | None], *inputs) -> torch.Tensor:
         weights = pytree.tree_unflatten(leaves, self.spec)
-        return self.step(weights, tokens, cached, positions, rotation_table, row_k, row_v,
-                         None if shared is None else _SharedPrompts(*shared))
+        if self.shared_last:
+            *inputs, shared = inputs
+            inputs.append(None if shared is None else _SharedPrompts(*shared))
+        return self.function(weights, *inputs)
 
 
 class _PackagedStep:
-    """`_LlamaForward.step` compiled ahead of time by AOTInductor, one package per attention kind
-    (rows only, or with shared prompts), built at the kind's first step and kept on disk.
+    """`_LlamaForward.step` and `_LlamaForward.prefill_rows` compiled ahead of time by
+    AOTInductor, one package per kind (decode steps of rows only, decode steps with shared
+    prompts, prefills of prompts copied into rows), built at the kind's first call and kept on disk.
 
     Why not ``torch.compile``: its call goes through dynamo's guards and the AOT dispatcher's
     wrappers on every step, while a package's runner calls the generated C++ directly; a 64-row
-    step of the tiny model took 0.83x the time of the same step through ``torch.compile`` (with
-    inductor's C++ wrapper), measured in one process (docs/engine.md, Performance). Exported with
-    every size that varies between steps as a named dynamic dimension (rows, attended span,
-    capacities, prompt lengths, the query grid), so one package serves a whole run and any batch;
+    step of the tiny model took 0.81-0.86x the time of the same step through ``torch.compile``
+    (with inductor's C++ wrapper), measured in one process (docs/engine.md). Exported with every
+    size that varies between calls as a named dynamic dimension (rows, attended span, capacities,
+    prompt counts and lengths, the query grid), so one package serves a whole run and any batch;
     the weights are inputs, so new weights need no new package. Dimensions start at 2: the
-    decoder pads what could be 1 (`LlamaFamilyDecoder._least_size`).
+    decoder pads what could be 1 (`LlamaFamilyDecoder._least_size`, `_compiled_prefill`).
 
     Packages live in ``$LLMRL_CACHE_DIR/compiled`` under a hash of everything the generated code
     depends on (torch version, CPU capability, this module's source, the architecture's constants,
@@ -389,10 +435,10 @@ class _PackagedStep:
 
     def __init__(self, forward: _LlamaForward):
         self.forward = forward
-        self.runners: dict[tuple, Callable[..., torch.Tensor]] = {}
-        """Loaded packages by attention kind and weight shapes (models of one architecture can differ in sizes)."""
+        self.runners: dict[tuple, Callable[[list[torch.Tensor]], list[torch.Tensor]]] = {}
+        """Loaded packages by kind and weight shapes (models of one architecture can differ in sizes)."""
         self.built: list[str] = []
-        """Attention kinds compiled by this process (the others came from the disk cache)."""
+        """Kinds compiled by this process (the others came from the disk cache)."""
         self._weights: _Weights | None = None
         self._leaves: list[torch.Tensor | None] = []
         self._tensors: list[torch.Tensor] = []
@@ -402,26 +448,42 @@ class _PackagedStep:
     def __call__(self, weights: _Weights, tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
                  rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor,
                  shared: _SharedPrompts | None) -> torch.Tensor:
-        if weights is not self._weights:  # flattened once per set of weights, not per step
+        """`_LlamaForward.step`."""
+        return self._run("rows" if shared is None else "shared", weights,
+                         (tokens, cached, positions, rotation_table, row_k, row_v,
+                          None if shared is None else tuple(shared)))
+
+    def prefill(self, weights: _Weights, ids: torch.Tensor, lengths: torch.Tensor, rotation_table: torch.Tensor,
+                row_k: torch.Tensor, row_v: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor
+                ) -> torch.Tensor:
+        """`_LlamaForward.prefill_rows`."""
+        return self._run("prefill", weights, (ids, lengths, rotation_table, row_k, row_v, targets, sources))
+
+    def _run(self, kind: str, weights: _Weights, inputs: tuple) -> torch.Tensor:
+        if weights is not self._weights:  # flattened once per set of weights, not per call
             self._leaves, self._spec = pytree.tree_flatten(weights)
             self._tensors = [t for t in self._leaves if t is not None]
             self._shapes = (str(self._spec), *(None if t is None else (tuple(t.shape), str(t.dtype), str(t.device))
                                                for t in self._leaves))
             self._weights = weights
-        kind = "rows" if shared is None else "shared"
-        run = self.runners.get((kind, self._shapes, row_k.dtype))
-        if run is None:
-            inputs = (self._leaves, tokens, cached, positions, rotation_table, row_k, row_v,
-                      None if shared is None else tuple(shared))
-            run = self.runners[kind, self._shapes, row_k.dtype] = self._load(kind, inputs)
         # The package's inputs flattened as its own `__call__` would, which parses its input
         # spec and walks the tree on every call (~0.1 ms a step): the tensors in order, no Nones.
-        return run([*self._tensors, tokens, cached, positions, rotation_table, row_k, row_v, *(shared or ())])[0]
+        flat = list(self._tensors)
+        for value in inputs:
+            if isinstance(value, tuple):
+                flat.extend(value)
+            elif value is not None:
+                flat.append(value)
+        key = (kind, self._shapes, *(t.dtype for t in flat[len(self._tensors) :]))
+        run = self.runners.get(key)
+        if run is None:
+            run = self.runners[key] = self._load(kind, (self._leaves, *inputs))
+        return run(flat)[0]
 
-    def _load(self, kind: str, inputs: tuple) -> Callable[..., torch.Tensor]:
+    def _load(self, kind: str, inputs: tuple) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         path = self._package_path(kind, inputs)
         if not path.is_file():
-            logger.info("compiling the %s decode step ahead of time into %s (once; ~30-50 s)", kind, path)
+            logger.info("compiling the %s function ahead of time into %s (once; ~30-50 s)", kind, path)
             self._build(kind, inputs, path)
             self.built.append(kind)
         return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
@@ -435,29 +497,36 @@ class _PackagedStep:
             "source": _SOURCE_DIGEST,
             "architecture": [forward.heads, forward.kv_heads, forward.head_dim, forward.eps, repr(forward.act_fn)],
             "weights": self._shapes,
-            "caches": str(inputs[5].dtype),
+            "inputs": [str(t.dtype) for t in pytree.tree_leaves(inputs[1:]) if t is not None],
             "kind": kind,
         }, sort_keys=True)
-        return cache_root() / "compiled" / f"decode-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
+        return cache_root() / "compiled" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
 
     def _build(self, kind: str, inputs: tuple, path: Path) -> None:
-        rows, span = Dim("rows", min=2), Dim("span", min=2)
-        row_entries, row_length = Dim("row_entries", min=2), Dim("row_length", min=2)
-        shared_shapes = None
-        if kind == "shared":
-            groups, shared_length = Dim("groups", min=2), Dim("shared_length", min=2)
-            grid = {0: Dim("grid_groups", min=2), 1: Dim("grid_width", min=2)}
-            shared_shapes = ({1: groups, 3: shared_length}, {1: groups, 3: shared_length}, {0: Dim("prompt", min=2)},
-                             {0: rows}, grid, {0: rows}, {0: rows})
-        dynamic_shapes = ([None] * len(inputs[0]), {0: rows}, {0: rows}, {0: span}, {0: Dim("table", min=2)},
-                          {1: row_entries, 3: row_length}, {1: row_entries, 3: row_length}, shared_shapes)
+        row_cache = {1: Dim("row_entries", min=2), 3: Dim("row_length", min=2)}
+        table = {0: Dim("table", min=2)}
+        if kind == "prefill":
+            prompts, copies = Dim("prompts", min=2), Dim("copies", min=2)
+            function = self.forward.prefill_rows
+            shapes = ({0: prompts, 1: Dim("width", min=2)}, {0: prompts}, table, row_cache, row_cache, {0: copies},
+                      {0: copies})
+        else:
+            rows = Dim("rows", min=2)
+            shared_shapes = None
+            if kind == "shared":
+                groups, shared_length = Dim("groups", min=2), Dim("shared_length", min=2)
+                grid = {0: Dim("grid_groups", min=2), 1: Dim("grid_width", min=2)}
+                shared_shapes = ({1: groups, 3: shared_length}, {1: groups, 3: shared_length},
+                                 {0: Dim("prompt", min=2)}, {0: rows}, grid, {0: rows}, {0: rows})
+            function = self.forward.step
+            shapes = ({0: rows}, {0: rows}, {0: Dim("span", min=2)}, table, row_cache, row_cache, shared_shapes)
         # Export traces shapes only; it takes normal tensors (the decoder's may be inference tensors).
         # torch's own serialisation of the weights' tree warns of a deprecation within torch.
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
             examples = pytree.tree_map(lambda t: None if t is None else torch.empty_like(t), inputs)
-            program = torch.export.export(_StepModule(self.forward, self._spec), examples,
-                                          dynamic_shapes=dynamic_shapes, strict=False)
+            program = torch.export.export(_ExportedFunction(function, self._spec, shared_last=kind != "prefill"), examples,
+                                          dynamic_shapes=([None] * len(inputs[0]), shapes), strict=False)
             path.parent.mkdir(parents=True, exist_ok=True)
             staging = path.with_name(f".{os.getpid()}-{path.name}")  # readers never see a partial package
             try:
@@ -526,7 +595,7 @@ class LlamaFamilyDecoder:
         self.vocab_size = model.lm_head.out_features
         self.forward = _llama_forward(self.num_heads, self.num_kv_heads, self.head_dim,
                                       model.model.norm.variance_epsilon, model.model.layers[0].mlp.act_fn)
-        self._compiled_decode = _packaged_step(self.forward) if compile else None
+        self._compiled = _packaged_step(self.forward) if compile else None
         # Least size of the grid's and the row span's dimensions: 2 for compiled steps, whose
         # dynamic dimensions start at 2 (export specialises a dimension of size 1).
         self._least_size = 2 if compile else 1
@@ -668,7 +737,6 @@ class LlamaFamilyDecoder:
 
     def prefill(self, prompts: list[list[int]], copies: list[int]) -> torch.Tensor:
         num_prompts, width = len(prompts), max(len(p) for p in prompts)
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         first_group, first_row = self.num_groups, self.num_rows
         share = [n > 1 and len(p) * (n - 1) >= self.share_from for p, n in zip(prompts, copies, strict=True)]
         # Where each prompt's keys/values go: the shared cache (one entry per group) or the rows.
@@ -694,38 +762,50 @@ class LlamaFamilyDecoder:
             ids[i, : len(prompt)] = torch.tensor(prompt)
         ids = ids.to(self.device)  # (N, P), right-padded
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # (N,)
-        mask = None  # prompts of one length: plain causal attention, the fastest kernel
-        if any(len(p) != width for p in prompts):
-            positions = torch.arange(width, device=self.device)
-            # (N, 1, P, P): causal, and no key beyond the prompt's end (rows are right-padded).
-            mask = (positions[None, :] <= positions[:, None]) & (positions < lengths[:, None, None])
-            mask = mask[:, None]
-        rotation = self._rotation[:width, None]  # (P, 1, D/2)
-        ops, weights = self.forward, self.weights
-        x = F.embedding(ids, weights.embed)  # (N, P, hidden)
-        for index, layer in enumerate(weights.layers):
-            h = ops.rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # (N, P, (H + 2 Hkv) D)
-            qk = qkv[..., : (heads + kv_heads) * dim].view(num_prompts, width, heads + kv_heads, dim)
-            qk = _rotate(qk, rotation).transpose(1, 2)  # (N, H + Hkv, P, D)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[..., (heads + kv_heads) * dim :].view(num_prompts, width, kv_heads, dim).transpose(1, 2)
-            for source, target, length, which in destinations:
-                if len(source):
-                    getattr(self, f"{which}_k")[index, target, :, :length] = k[source, :, :length]
-                    getattr(self, f"{which}_v")[index, target, :, :length] = v[source, :, :length]
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0,
-                                                  enable_gqa=heads != kv_heads)
-            attn = attn.transpose(1, 2).reshape(num_prompts, width, heads * dim)  # (N, P, H D)
-            x = ops.mlp_residual(x + F.linear(attn, layer.o_weight, layer.o_bias), layer)
-        last = x[torch.arange(num_prompts, device=self.device), lengths - 1]  # (N, hidden)
+        logits = None
+        if self._compiled is not None and not shared_src:
+            logits = self._compiled_prefill(ids, lengths, inline_rows, inline_src)
+        if logits is None:
+            logits = self._eager_prefill(ids, lengths, destinations, all(len(p) == width for p in prompts))
         for group, (prompt, count, shared) in enumerate(zip(prompts, copies, share, strict=True), start=first_group):
             self.shared_lengths.append(len(prompt) if shared else 0)
             self.group_rows.append(count)
             self.row_group.extend([group] * count)
             self.cached.extend([0 if shared else len(prompt)] * count)
         self._sync_rows()
-        return ops.logits(last, weights)
+        return logits
+
+    def _eager_prefill(self, ids: torch.Tensor, lengths: torch.Tensor, destinations: tuple, same_length: bool
+                       ) -> torch.Tensor:
+        width = ids.shape[1]
+        mask = None if same_length else _prompt_mask(lengths, torch.arange(width, device=self.device))
+
+        def write(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            for source, target, length, which in destinations:
+                if len(source):
+                    getattr(self, f"{which}_k")[layer, target, :, :length] = keys[source, :, :length]
+                    getattr(self, f"{which}_v")[layer, target, :, :length] = values[source, :, :length]
+
+        return self.forward.prefill(self.weights, ids, lengths, self._rotation[:width, None], mask, write)
+
+    def _compiled_prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: list[int], sources: list[int]
+                          ) -> torch.Tensor | None:
+        """The packaged prefill of prompts copied into rows; None (and eager prefills and steps
+        from now on) if it fails. Sizes of 1 are padded to the package's least size of 2: a
+        second copy of the first prompt, written to the first row again, and a masked column."""
+        num_prompts, width = ids.shape
+        if num_prompts == 1:
+            ids, lengths = ids.expand(2, width), lengths.expand(2)
+        if width == 1:
+            ids = F.pad(ids, (0, 1))
+        if len(rows) == 1:
+            rows, sources = rows * 2, sources * 2
+        targets = torch.tensor(rows, device=self.device)
+        sources = torch.tensor(sources, device=self.device)
+        logits = self._try_compiled(lambda packages: packages.prefill(
+            self.weights, ids.contiguous(), lengths.contiguous(), self._real_rotation, self.row_k, self.row_v, targets,
+            sources))
+        return None if logits is None else logits[:num_prompts]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = self.num_rows
@@ -741,8 +821,9 @@ class LlamaFamilyDecoder:
                                     self._grid_rows, self._row_group, self._row_slot)
         caches = (self.row_k, self.row_v, shared)
         logits = None
-        if self._compiled_decode is not None and rows > 1:  # a package's dimensions start at 2
-            logits = self._compiled_forward(tokens, self._positions[:span], caches)
+        if self._compiled is not None and rows > 1:  # a package's dimensions start at 2
+            logits = self._try_compiled(lambda packages: packages(
+                self.weights, tokens, self._cached, self._positions[:span], self._real_rotation, *caches))
         if logits is None:
             logits = self.forward.step(self.weights, tokens, self._cached, self._positions[:span], self._rotation,
                                        *caches)
@@ -750,13 +831,13 @@ class LlamaFamilyDecoder:
         self._cached = self._cached + 1
         return logits
 
-    def _compiled_forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple) -> torch.Tensor | None:
-        """The compiled step; None (and eager steps from now on) if it fails."""
+    def _try_compiled(self, call: Callable[[_PackagedStep], torch.Tensor]) -> torch.Tensor | None:
+        """`call` on the compiled packages; None (and eager prefills and steps from now on) if it fails."""
         try:
-            return self._compiled_decode(self.weights, tokens, self._cached, positions, self._real_rotation, *caches)
-        except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: eager steps give the same result
-            logger.warning("compiled decode step failed, decoding eagerly from now on: %s", exc)
-            self._compiled_decode = None
+            return call(self._compiled)
+        except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: eager code gives the same result
+            logger.warning("compiled step failed, running eagerly from now on: %s", exc)
+            self._compiled = None
             return None
 
 

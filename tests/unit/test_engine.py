@@ -160,7 +160,7 @@ def test_compiled_engine_from_config_matches_eager_engine(tokenizer, tmp_path):
         for e, c in zip(eager_responses, compiled_responses, strict=True):
             assert c.token_ids == e.token_ids
             torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-4)
-    assert engines[1]._decoder._compiled_decode is not None  # compiled steps served it, no fallback
+    assert engines[1]._decoder._compiled is not None  # compiled steps served it, no fallback
 
 
 def test_greedy_matches_generate_token_for_token(served):
@@ -528,7 +528,7 @@ def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, sh
                else LlamaFamilyDecoder(model, share_from=share_from, compile=compile))
     loads = []
     if compile:  # counts the packages loaded (each kind once, even when another test loaded it first)
-        step = decoder._compiled_decode
+        step = decoder._compiled
         step.runners.clear()
         monkeypatch.setattr(step, "_load", lambda kind, inputs, load=step._load: loads.append(kind) or load(kind, inputs))
     assert isinstance(decoder, LlamaFamilyDecoder) == (family != "gpt2")
@@ -565,15 +565,18 @@ def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, sh
             if step == 8:
                 remove(list(range(decoder.num_rows // 2)))
                 join([12], [3])  # shared again with share_from=10, after inline groups
+            if step == 10:
+                join([1], [1])  # one prompt of one token in one row: sizes a compiled prefill pads
         assert decoder.num_rows == len(sequences)
         decoder.reset()
         assert decoder.num_rows == 0
     if compile:
-        assert decoder._compiled_decode is not None  # no fallback to eager steps on the way
-        # One package per attention kind (rows only, and with a shared prompt) served every step:
-        # rows, lengths and capacities changing on the way loaded or built nothing more.
-        assert sorted(kind for kind, *_ in decoder._compiled_decode.runners) == ["rows", "shared"]
-        assert sorted(loads) == ["rows", "shared"]
+        assert decoder._compiled is not None  # no fallback to eager steps on the way
+        # One package per kind (prefill into rows, decode steps of rows only and with a shared
+        # prompt) served every call: rows, lengths and capacities changing on the way loaded or
+        # built nothing more.
+        assert sorted(kind for kind, *_ in decoder._compiled.runners) == ["prefill", "rows", "shared"]
+        assert sorted(loads) == ["prefill", "rows", "shared"]
 
 
 @pytest.mark.slow
@@ -584,7 +587,7 @@ def test_compiled_steps_take_new_weights_without_recompiling():
     with torch.inference_mode():
         decoder.prefill(prompts, [2, 1])
         before = decoder.decode(tokens)
-        runners = dict(decoder._compiled_decode.runners)
+        runners = dict(decoder._compiled.runners)
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(1.5)
@@ -593,7 +596,7 @@ def test_compiled_steps_take_new_weights_without_recompiling():
         decoder.prefill(prompts, [2, 1])
         after = decoder.decode(tokens)
     assert torch.dist(before, after) > 1e-2  # the new weights are used...
-    assert decoder._compiled_decode.runners == runners  # ...by the same package
+    assert decoder._compiled.runners == runners  # ...by the same package
     sequences = [p + [t] for p, t in zip([prompts[0], prompts[0], prompts[1]], tokens.tolist(), strict=True)]
     torch.testing.assert_close(after, _last_logits(model, sequences), rtol=0, atol=1e-4)
 
@@ -606,13 +609,13 @@ def test_compiled_step_package_is_reused_from_disk(monkeypatch, tmp_path):
     steps, logits = [], []
     for _ in range(2):  # as two processes would: a step object with nothing loaded yet
         decoder = LlamaFamilyDecoder(model, compile=True)
-        decoder._compiled_decode = _PackagedStep(decoder.forward)
+        decoder._compiled = _PackagedStep(decoder.forward)
         with torch.inference_mode():
             decoder.prefill(prompts, [2, 1])
             logits.append(decoder.decode(tokens))
-        steps.append(decoder._compiled_decode)
-    assert [step.built for step in steps] == [["rows"], []]  # the second loaded the first one's package
-    assert [p.name.startswith("decode-rows-") for p in (tmp_path / "compiled").iterdir()] == [True]
+        steps.append(decoder._compiled)
+    assert [step.built for step in steps] == [["prefill", "rows"], []]  # the second loaded the first one's
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "compiled").iterdir()) == ["prefill", "rows"]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
@@ -620,16 +623,19 @@ def test_failed_compiled_step_falls_back_to_eager_steps(caplog):
     model = _build("qwen2", 97)
     eager, compiled = LlamaFamilyDecoder(model), LlamaFamilyDecoder(model, compile=True)
 
-    def broken(*inputs):
-        raise RuntimeError("no C++ compiler")
+    class Broken:
+        def __call__(self, *inputs):
+            raise RuntimeError("no C++ compiler")
 
-    compiled._compiled_decode = broken
+        prefill = __call__
+
+    compiled._compiled = Broken()
     tokens = torch.tensor([3, 4, 5])
     with torch.inference_mode(), caplog.at_level("WARNING", logger="llmrl.inference.decoder"):
         for decoder in (eager, compiled):
             decoder.prefill([[5, 6, 7], [8, 9]], [2, 1])
         torch.testing.assert_close(compiled.decode(tokens), eager.decode(tokens), rtol=0, atol=1e-5)
         torch.testing.assert_close(compiled.decode(tokens), eager.decode(tokens), rtol=0, atol=1e-5)
-    assert compiled._compiled_decode is None
+    assert compiled._compiled is None
     assert [r.message for r in caplog.records].count(
-        "compiled decode step failed, decoding eagerly from now on: no C++ compiler") == 1
+        "compiled step failed, running eagerly from now on: no C++ compiler") == 1
