@@ -45,7 +45,9 @@ Two implementations:
   ops between the matmuls into C++ loops, writes the caches in place and calls it all from
   generated C++, with no guards or Python wrappers per step; weights and caches are inputs whose
   varying sizes are named dynamic dimensions, so new weights and a growing batch reuse one
-  package per attention kind. Measured (``bench/generation.py``): see docs/engine.md, Performance.
+  package per attention kind. Prefills whose prompts all go into rows share the eager prefill's
+  layer loop (`_LlamaForward.prefill`) and run from a third package. Measured
+  (``bench/generation.py``): see docs/engine.md, Performance.
 
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
   ``DynamicCache`` per prompt group (prefilled once, repeated to ``n`` rows), one forward per group
@@ -110,8 +112,8 @@ class Decoder(Protocol):
 
 
 def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None, compile: bool = False) -> Decoder:
-    """`LlamaFamilyDecoder` where the architecture allows it (`compile`: its decode steps through
-    AOTInductor), else the generic `HFDecoder`."""
+    """`LlamaFamilyDecoder` where the architecture allows it (`compile`: its decode steps and
+    prefills compiled by AOTInductor), else the generic `HFDecoder`."""
     if LlamaFamilyDecoder.supports(model):
         return LlamaFamilyDecoder(model, max_rows=max_rows, compile=compile)
     return HFDecoder(model)
@@ -265,13 +267,21 @@ class _LlamaForward:
         prefill): row ``targets[i]`` of `row_k`/`row_v` gets prompt ``sources[i]``'s keys and values
         at positions ``0 .. P - 1``; `rotation_table` holds real rows (`_rotate`) by position."""
         positions = torch.arange(ids.shape[1], device=ids.device)
+        keys, values = [], []
 
-        def write(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            row_k[layer, targets, :, : ids.shape[1]] = keys[sources]
-            row_v[layer, targets, :, : ids.shape[1]] = values[sources]
+        def write(layer: int, layer_keys: torch.Tensor, layer_values: torch.Tensor) -> None:
+            keys.append(layer_keys)
+            values.append(layer_values)
 
-        return self.prefill(weights, ids, lengths, rotation_table[positions].unsqueeze(-2),
-                            _prompt_mask(lengths, positions), write)
+        logits = self.prefill(weights, ids, lengths, rotation_table[positions].unsqueeze(-2),
+                              _prompt_mask(lengths, positions), write)
+        # All layers in one indexed write per cache, which a compiled prefill does in place (a
+        # write per layer into a slice of the cache made it copy the whole cache each time):
+        # indices (R, 1) and (1, P) select (R, P, layers, kv_heads, D).
+        cells = (slice(None), targets[:, None], slice(None), positions[None, :])
+        row_k[cells] = torch.stack(keys)[:, sources].permute(1, 3, 0, 2, 4)
+        row_v[cells] = torch.stack(values)[:, sources].permute(1, 3, 0, 2, 4)
+        return logits
 
     def step(self, weights: _Weights, tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
              rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor, shared: _SharedPrompts | None
@@ -578,7 +588,7 @@ class LlamaFamilyDecoder:
     def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM,
                  compile: bool = False):
         """`max_rows` caps how far row capacity doubles (rows beyond it are still served);
-        `share_from` overrides `SHARE_FROM`; `compile` runs decode steps compiled by AOTInductor
+        `share_from` overrides `SHARE_FROM`; `compile` runs decode steps and prefills compiled by AOTInductor
         (module docstring)."""
         assert self.supports(model)
         config = model.config

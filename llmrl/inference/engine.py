@@ -164,9 +164,10 @@ class LocalEngine:
             policy_version: version stamped on responses until the first `update_weights`.
             seed: seeds the generator that picks a seed for each request without one (None: from
                 the OS).
-            compile: run decode steps compiled ahead of time by AOTInductor (Llama/Qwen2 decoder
-                only): a 64-row step of the tiny model in ~0.6x the eager time, after a one-off
-                compilation of ~30-50 s per attention kind, cached on disk (docs/engine.md).
+            compile: run decode steps and prefills compiled ahead of time by AOTInductor
+                (Llama/Qwen2 decoder only): a 64-row step of the tiny model in ~0.6x the eager
+                time, after a one-off compilation of ~30-50 s per kind, cached on disk
+                (docs/engine.md).
         """
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
