@@ -41,7 +41,7 @@ Two implementations:
   attends to its cached positions and to the new token through that token's own key and value
   (one more score column under the same softmax), and then writes every layer's new keys and
   values with one indexed write each. So the whole step can be compiled ahead of time
-  (``compile=True``, `_PackagedStep`): ``torch.export`` takes it whole and AOTInductor fuses the
+  (``compile=True``, `_CompiledPackages`): ``torch.export`` takes it whole and AOTInductor fuses the
   ops between the matmuls into C++ loops, writes the caches in place and calls it all from
   generated C++, with no guards or Python wrappers per step; weights and caches are inputs whose
   varying sizes are named dynamic dimensions, so new weights and a growing batch reuse one
@@ -423,7 +423,7 @@ class _ExportedFunction(torch.nn.Module):
         return self.function(weights, *inputs)
 
 
-class _PackagedStep:
+class _CompiledPackages:
     """`_LlamaForward.step` and `_LlamaForward.prefill_rows` compiled ahead of time by
     AOTInductor, one package per kind (decode steps of rows only, decode steps with shared
     prompts, prefills of prompts copied into rows), built at the kind's first call and kept on disk.
@@ -551,10 +551,10 @@ _SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
 @functools.cache
-def _packaged_step(forward: _LlamaForward) -> _PackagedStep:
-    """One `_PackagedStep` per architecture: every decoder of it in a process (an engine per run,
+def _compiled_packages(forward: _LlamaForward) -> _CompiledPackages:
+    """One `_CompiledPackages` per architecture: every decoder of it in a process (an engine per run,
     per benchmark repeat) shares its loaded packages."""
-    return _PackagedStep(forward)
+    return _CompiledPackages(forward)
 
 
 class LlamaFamilyDecoder:
@@ -605,7 +605,7 @@ class LlamaFamilyDecoder:
         self.vocab_size = model.lm_head.out_features
         self.forward = _llama_forward(self.num_heads, self.num_kv_heads, self.head_dim,
                                       model.model.norm.variance_epsilon, model.model.layers[0].mlp.act_fn)
-        self._compiled = _packaged_step(self.forward) if compile else None
+        self._compiled = _compiled_packages(self.forward) if compile else None
         # Least size of the grid's and the row span's dimensions: 2 for compiled steps, whose
         # dynamic dimensions start at 2 (export specialises a dimension of size 1).
         self._least_size = 2 if compile else 1
@@ -841,7 +841,7 @@ class LlamaFamilyDecoder:
         self._cached = self._cached + 1
         return logits
 
-    def _try_compiled(self, call: Callable[[_PackagedStep], torch.Tensor]) -> torch.Tensor | None:
+    def _try_compiled(self, call: Callable[[_CompiledPackages], torch.Tensor]) -> torch.Tensor | None:
         """`call` on the compiled packages; None (and eager prefills and steps from now on) if it fails."""
         try:
             return call(self._compiled)

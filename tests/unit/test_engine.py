@@ -29,7 +29,7 @@ from transformers import (
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference import build_inference
-from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, _PackagedStep, build_decoder
+from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, _CompiledPackages, build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import InferenceInterface
 from llmrl.trainer.distributed import tied_duplicates
@@ -609,7 +609,7 @@ def test_compiled_step_package_is_reused_from_disk(monkeypatch, tmp_path):
     steps, logits = [], []
     for _ in range(2):  # as two processes would: a step object with nothing loaded yet
         decoder = LlamaFamilyDecoder(model, compile=True)
-        decoder._compiled = _PackagedStep(decoder.forward)
+        decoder._compiled = _CompiledPackages(decoder.forward)
         with torch.inference_mode():
             decoder.prefill(prompts, [2, 1])
             logits.append(decoder.decode(tokens))
