@@ -69,7 +69,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
-from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
+from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, list_tensor
 from llmrl.inference.interface import run_sync, running_loop
 from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, row_sampling, sample_tokens
 from llmrl.types import FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
@@ -197,6 +197,7 @@ class LocalEngine:
         # Owned by the driver:
         self._running: list[_Sequence] = []  # in the decoder's row order
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
+        self._last_tokens = torch.empty(0, dtype=torch.int64)  # (rows,) each row's latest token, fed next step
         self._cancellations = False  # set when a request's future is cancelled, from any thread
 
     @classmethod
@@ -474,9 +475,8 @@ class LocalEngine:
         """One engine iteration: decode the running rows, prefill the admitted requests, sample all."""
         logits = []
         if self._running:
-            pending = torch.tensor([seq.tokens[-1] for seq in self._running], device=self._device)
             self.stats.decode_tokens += len(self._running)
-            logits.append(self._decoder.decode(pending))
+            logits.append(self._decoder.decode(self._last_tokens))
         if admitted:
             prompt_logits = self._decoder.prefill([r.prompt_ids for r in admitted], [r.n for r in admitted])
             if any(r.n > 1 for r in admitted):
@@ -491,9 +491,10 @@ class LocalEngine:
         if self._rows is None:
             self._rows = row_sampling([seq.request.args for seq in self._running], self._decoder.vocab_size,
                                       self._device)
-        uniforms = torch.tensor([min(seq.rng.random(), MAX_UNIFORM) if seq.rng is not None else 0.0
-                                 for seq in self._running], dtype=torch.float32, device=self._device)
+        uniforms = list_tensor([min(seq.rng.random(), MAX_UNIFORM) if seq.rng is not None else 0.0
+                                for seq in self._running], torch.float32, self._device)
         tokens, logprobs = sample_tokens(torch.cat(logits) if len(logits) > 1 else logits[0], self._rows, uniforms)
+        self._last_tokens = tokens
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(self._running, tokens.tolist(), logprobs.tolist(),
                                                          strict=True)):
@@ -548,6 +549,8 @@ class LocalEngine:
         leaving = [self._running[row] for row in rows]
         order = self._decoder.remove_rows(rows)
         self._running = [self._running[i] for i in order]
+        if self._running:
+            self._last_tokens = self._last_tokens[list_tensor(order, torch.int64, self._device)]
         self._rows = None
         for seq in leaving:
             request = seq.request

@@ -46,16 +46,23 @@ from llmrl.types import GenerationArgs
 
 @dataclass(frozen=True)
 class RowSampling:
-    """Sampling parameters of a batch's rows as tensors; rebuilt whenever the batch's rows change."""
+    """Sampling parameters of a batch's rows as tensors; rebuilt whenever the batch's rows change.
 
-    temperature: torch.Tensor
-    """(B, 1) float32 divisor of the logits; 1.0 for greedy rows (their logprob is the T=1 one)."""
-    greedy: torch.Tensor
-    """(B,) bool, rows that take the argmax."""
-    top_k: torch.Tensor
-    """(B, 1) int64 number of tokens kept by top-k; the vocabulary size where top-k is off."""
-    top_p: torch.Tensor
-    """(B, 1) float32 nucleus mass; +inf where top-p is off, so rounding never trims the tail."""
+    A tensor that `sample_tokens` will not read is None (the usual batch, T=1 without top-k or
+    top-p, needs none): each costs a `torch.tensor` call of ~15-30 us on every change of rows.
+    """
+
+    temperature: torch.Tensor | None
+    """(B, 1) float32 divisor of the logits; 1.0 for greedy rows (their logprob is the T=1 one).
+    None when `unit_temperature`."""
+    greedy: torch.Tensor | None
+    """(B,) bool, rows that take the argmax. None unless some rows, not all, are greedy."""
+    top_k: torch.Tensor | None
+    """(B, 1) int64 number of tokens kept by top-k; the vocabulary size where top-k is off.
+    None unless `any_filter`."""
+    top_p: torch.Tensor | None
+    """(B, 1) float32 nucleus mass; +inf where top-p is off, so rounding never trims the tail.
+    None unless `any_filter`."""
     all_greedy: bool
     any_greedy: bool
     unit_temperature: bool
@@ -71,18 +78,21 @@ MAX_UNIFORM = 1.0 - 2.0**-23
 def row_sampling(args: Sequence[GenerationArgs], vocab_size: int, device: torch.device | str) -> RowSampling:
     """Tensors of the per-row parameters, one `GenerationArgs` per row (rows of a group repeat it)."""
     greedy = [a.temperature == 0.0 for a in args]
+    temperature = [[1.0 if g else a.temperature] for g, a in zip(greedy, args, strict=True)]
     top_k = [a.top_k if 0 < a.top_k < vocab_size else vocab_size for a in args]
     top_p = [a.top_p if a.top_p < 1.0 else math.inf for a in args]
+    all_greedy, any_greedy = all(greedy), any(greedy)
+    unit_temperature = all(t == [1.0] for t in temperature)
+    any_filter = any(k < vocab_size for k in top_k) or any(p < math.inf for p in top_p)
     return RowSampling(
-        temperature=torch.tensor([[1.0 if g else a.temperature] for g, a in zip(greedy, args, strict=True)],
-                                 dtype=torch.float32, device=device),
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device)[:, None],
-        top_p=torch.tensor(top_p, dtype=torch.float32, device=device)[:, None],
-        all_greedy=all(greedy),
-        any_greedy=any(greedy),
-        unit_temperature=all(g or a.temperature == 1.0 for g, a in zip(greedy, args, strict=True)),
-        any_filter=any(k < vocab_size for k in top_k) or any(p < math.inf for p in top_p),
+        temperature=None if unit_temperature else torch.tensor(temperature, dtype=torch.float32, device=device),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device) if any_greedy and not all_greedy else None,
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device)[:, None] if any_filter else None,
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device)[:, None] if any_filter else None,
+        all_greedy=all_greedy,
+        any_greedy=any_greedy,
+        unit_temperature=unit_temperature,
+        any_filter=any_filter,
     )
 
 

@@ -134,5 +134,9 @@ def test_row_sampling_turns_filters_off_at_their_neutral_values():
     rows = row_sampling([GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=500, temperature=0.0)], 100, "cpu")
     assert not rows.any_filter and rows.any_greedy and not rows.all_greedy and rows.unit_temperature
     assert not row_sampling([GenerationArgs(temperature=0.5)], 100, "cpu").unit_temperature
-    assert rows.top_k.tolist() == [[100], [100]] and math.isinf(rows.top_p[0, 0].item())
-    assert rows.temperature.tolist() == [[1.0], [1.0]]
+    # Tensors that sampling will not read are not built.
+    assert rows.top_k is None and rows.top_p is None and rows.temperature is None
+    assert rows.greedy.tolist() == [False, True]
+    filtered = row_sampling([GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=5, temperature=0.5)], 100, "cpu")
+    assert filtered.top_k.tolist() == [[100], [5]] and math.isinf(filtered.top_p[0, 0].item())
+    assert filtered.temperature.tolist() == [[1.0], [0.5]] and filtered.greedy is None
