@@ -12,7 +12,11 @@ keeps a single decode batch as full as it can:
   prompt once, plus the tokens generated so far) within ``max_batch_tokens``; a request is
   admitted whole, and always when the batch is empty, so an oversized request runs alone rather
   than never. Sequences already running are never preempted: the budget bounds admission, not
-  growth.
+  growth. When the batch is full and requests queue, those that fit join in bunches of at least
+  a quarter of ``max_concurrent`` rows (or after waiting 16 steps): a prefill of a few prompts
+  costs about a decode step of the whole batch, and admitting each row the moment one leaves
+  put a prefill in a fifth of long-tail's steps (``ADMIT_AT_LEAST``, ``ADMISSION_WAIT``;
+  measured in docs/engine.md).
 * **Shared prefixes.** The ``n`` samples of one request (a GRPO group) prefill the prompt once. A
   long prompt with many samples keeps one copy of its keys and values that all ``n`` rows attend
   to; a short one is copied into each row, which is cheaper to attend to (``decoder.py`` explains
@@ -137,6 +141,11 @@ class EngineStats:
 class LocalEngine:
     """Embedded `InferenceInterface` running a transformers causal LM in this process."""
 
+    ADMIT_AT_LEAST = 1 / 4
+    """Share of `max_concurrent` rows that queued requests bring before they join a full batch."""
+    ADMISSION_WAIT = 16
+    """Most decode steps queued requests that fit wait for the others (`_defer_admission`)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -199,6 +208,7 @@ class LocalEngine:
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
         self._last_tokens = torch.empty(0, dtype=torch.int64)  # (rows,) each row's latest token, fed next step
         self._cancellations = False  # set when a request's future is cancelled, from any thread
+        self._admission_waited = 0  # steps admissible requests have waited (`_defer_admission`)
 
     @classmethod
     def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int) -> LocalEngine:
@@ -449,10 +459,31 @@ class LocalEngine:
                 if (self._running or admitted) and (rows > self.max_concurrent or tokens > self.max_batch_tokens):
                     break
                 admitted.append(self._waiting.popleft())
+            if admitted and self._defer_admission(admitted):
+                self._waiting.extendleft(reversed(admitted))
+                admitted = []
         if not self._running and not admitted:
             assert not self._waiting and not self._updates
             return None
         return admitted
+
+    def _defer_admission(self, admissible: list[_Request]) -> bool:
+        """Whether `admissible` (the waiting requests that fit now) should wait for more room.
+
+        A prefill of a few prompts costs about as much as a decode step of the whole batch, so
+        when the batch is full and requests queue, admitting each row the moment one leaves
+        would add a prefill to most steps. While some waiting request does not fit yet, the ones
+        that do wait until they bring `ADMIT_AT_LEAST` of `max_concurrent` rows, or for at most
+        `ADMISSION_WAIT` steps.
+        """
+        queue_fits = not self._waiting
+        rows = sum(r.n for r in admissible)
+        if not self._running or queue_fits or rows >= self.ADMIT_AT_LEAST * self.max_concurrent \
+                or self._admission_waited >= self.ADMISSION_WAIT:
+            self._admission_waited = 0
+            return False
+        self._admission_waited += 1
+        return True
 
     def _cache_tokens(self) -> int:
         """KV-cache tokens of the running batch: each request's prompt once, plus every generated token."""

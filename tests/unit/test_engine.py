@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import threading
 import time
 
@@ -452,6 +453,39 @@ def test_continuous_batching_short_requests_overtake_a_long_one(qwen2, tokenizer
     # Six short requests through the two other slots while the long one is still decoding.
     assert finished[-1] == "long" and len(finished) == 7
     assert engine.stats.steps < 130 + 6 * 8  # they shared decode steps with the long one
+
+
+@pytest.mark.parametrize(("admit_at_least", "wait"), [(1 / 4, 16), (1.0, 3)])
+def test_queued_requests_join_a_full_batch_in_bunches(qwen2, tokenizer, monkeypatch, admit_at_least, wait):
+    # 8 rows; 20 one-row requests whose lengths differ, so rows leave one step at a time.
+    monkeypatch.setattr(LocalEngine, "ADMIT_AT_LEAST", admit_at_least)
+    monkeypatch.setattr(LocalEngine, "ADMISSION_WAIT", wait)
+    engine = LocalEngine(qwen2, tokenizer, eos_token_ids=(), max_concurrent=8)
+    admissions = []  # (requests admitted, requests still queued, steps so far) per prefill
+    prefill = engine._decoder.prefill
+
+    def recording_prefill(prompts, copies):
+        admissions.append((len(prompts), len(engine._waiting), engine.stats.steps))
+        return prefill(prompts, copies)
+
+    monkeypatch.setattr(engine._decoder, "prefill", recording_prefill)
+    lengths = [3 + (7 * i) % 20 for i in range(20)]
+
+    async def scenario():
+        return await asyncio.gather(*(engine.agenerate(_long_request(n, PROMPTS[i % 4]))
+                                      for i, n in enumerate(lengths)))
+
+    results = asyncio.run(scenario())
+    assert [len(r[0].token_ids) for r in results] == lengths
+    assert admissions[0][0] == 8
+    joins_while_queued = [(count, steps) for count, queued, steps in admissions[1:] if queued]
+    assert joins_while_queued
+    if admit_at_least < 1:  # two rows (a quarter of 8) at a time while others queue
+        assert all(count >= 2 for count, _ in joins_while_queued)
+    else:  # never 8 free rows while others queue: bunches join after waiting `wait` steps
+        gaps = [b - a for (_, a), (_, b) in itertools.pairwise(joins_while_queued)]
+        assert all(gap >= wait + 1 for gap in gaps) and any(count < 8 for count, _ in joins_while_queued)
+    assert len(admissions) < 1 + 12  # fewer prefills than one per request beyond the first eight
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[3], LONG_PROMPT])  # copied into each row / shared
