@@ -509,7 +509,8 @@ class LocalEngine:
             self.stats.decode_tokens += len(self._running)
             logits.append(self._decoder.decode(self._last_tokens))
         if admitted:
-            prompt_logits = self._decoder.prefill([r.prompt_ids for r in admitted], [r.n for r in admitted])
+            prompt_logits = self._decoder.prefill([r.prompt_ids for r in admitted], [r.n for r in admitted],
+                                                  [r.args.max_tokens for r in admitted])
             if any(r.n > 1 for r in admitted):
                 counts = torch.tensor([r.n for r in admitted], device=self._device)
                 prompt_logits = prompt_logits.repeat_interleave(counts, dim=0)
@@ -531,10 +532,13 @@ class LocalEngine:
                                                          strict=True)):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                finished.append(row)
+            request = seq.request
+            # Most rows go on: only those that may end pay for the full check.
+            if token in request.stop_ids or request.args.stop or len(seq.tokens) >= request.args.max_tokens:
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    seq.finish_reason = reason
+                    finished.append(row)
         self.stats.completion_tokens += len(self._running)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self._decoder.cache_bytes)
         if finished:

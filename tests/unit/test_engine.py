@@ -464,9 +464,9 @@ def test_queued_requests_join_a_full_batch_in_bunches(qwen2, tokenizer, monkeypa
     admissions = []  # (requests admitted, requests still queued, steps so far) per prefill
     prefill = engine._decoder.prefill
 
-    def recording_prefill(prompts, copies):
+    def recording_prefill(prompts, *args):
         admissions.append((len(prompts), len(engine._waiting), engine.stats.steps))
-        return prefill(prompts, copies)
+        return prefill(prompts, *args)
 
     monkeypatch.setattr(engine._decoder, "prefill", recording_prefill)
     lengths = [3 + (7 * i) % 20 for i in range(20)]
@@ -611,6 +611,22 @@ def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, sh
         # built nothing more.
         assert sorted(kind for kind, *_ in decoder._compiled.runners) == ["prefill", "rows", "shared"]
         assert sorted(loads) == ["prefill", "rows", "shared"]
+
+
+def test_row_cache_doubles_up_to_what_its_rows_can_reach():
+    decoder = LlamaFamilyDecoder(_build("qwen2", 97, seed=3))
+    lengths = []
+    with torch.inference_mode():
+        decoder.prefill([[5, 6, 7, 8, 9]], [2], max_new_tokens=[95])  # 5 + 95 positions at most
+        for _ in range(94):
+            decoder.decode(torch.tensor([11, 12]))
+            lengths.append(decoder.row_k.shape[3])
+        assert sorted(set(lengths)) == [16, 32, 64, 112]  # 100 rounded up to a multiple of 16, not 128
+        decoder.reset()
+        decoder.prefill([[5, 6, 7, 8, 9]], [2])  # no limit given: plain doubling
+        for _ in range(94):
+            decoder.decode(torch.tensor([11, 12]))
+        assert decoder.row_k.shape[3] == 128
 
 
 @pytest.mark.slow
