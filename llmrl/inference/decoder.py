@@ -483,6 +483,10 @@ class _CompiledPackages:
                          (tokens, cached, positions, rotation_table, row_k, row_v,
                           None if shared is None else tuple(shared)))
 
+    def serves(self, kind: str, weights: _Weights) -> bool:
+        """Whether a package of `kind` is loaded for `weights` (a call would build nothing)."""
+        return weights is self._weights and any(key[0] == kind for key in self._active)
+
     def prefill(self, weights: _Weights, ids: torch.Tensor, lengths: torch.Tensor, rotation_table: torch.Tensor,
                 row_k: torch.Tensor, row_v: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor
                 ) -> torch.Tensor:
@@ -634,6 +638,10 @@ class LlamaFamilyDecoder:
         # Least size of the grid's and the row span's dimensions: 2 for compiled steps, whose
         # dynamic dimensions start at 2 (export specialises a dimension of size 1).
         self._least_size = 2 if compile else 1
+        # Least row capacity of compiled steps: export fails on a capacity of 1 (specialised) or
+        # of 2 (the padded rows' size too), so a package built from a first call of one row
+        # would never be.
+        self._least_rows = 4 if compile else 1
         self._positions = torch.empty(0, device=self.device, dtype=torch.int64)  # 0, 1, ...: spans are its slices
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)
         self._real_rotation = torch.empty(0, 2, self.head_dim, device=self.device)  # for compiled steps (`_rotate`)
@@ -805,7 +813,7 @@ class LlamaFamilyDecoder:
                  for prompt, count, shared, new_tokens in zip(prompts, copies, share,
                                                               max_new_tokens or [None] * num_prompts, strict=True)
                  for _ in range(count)]
-        self._reserve("row", first_row + sum(copies), max([*self.cached, inline_width]) + 1,
+        self._reserve("row", max(first_row + sum(copies), self._least_rows), max([*self.cached, inline_width]) + 1,
                       max([*self.reach, *reach]))
         padded = [token for p in prompts for token in (*p, *[0] * (width - len(p)))]
         values = list_tensor([*padded, *(len(p) for p in prompts)], torch.int64, self.device)
@@ -865,7 +873,7 @@ class LlamaFamilyDecoder:
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = self.num_rows
         assert tokens.shape == (rows,)
-        self._reserve("row", rows, max(self.cached) + 1, max(self.reach))
+        self._reserve("row", max(rows, self._least_rows), max(self.cached) + 1, max(self.reach))
         # Each row attends its cached positions plus the new token, which `_LlamaForward.step`
         # then writes at position `cached`, inside the capacity just reserved.
         span = max([*self.cached, self._least_size])
@@ -876,9 +884,15 @@ class LlamaFamilyDecoder:
                                     self._grid_rows, self._row_group, self._row_slot)
         caches = (self.row_k, self.row_v, shared)
         logits = None
-        if self._compiled is not None and rows > 1:  # a package's dimensions start at 2
+        # A package's dimensions start at 2: a single row steps beside a copy of itself, which
+        # writes its (finite) keys and values into a spare row (`_least_rows`) that nothing reads.
+        if self._compiled is not None and (rows > 1 or shared is None):
+            step_tokens, cached = tokens, self._cached
+            if rows == 1:
+                step_tokens, cached = tokens.repeat(2), cached.repeat(2)
             logits = self._try_compiled(lambda packages: packages(
-                self.weights, tokens, self._cached, self._positions[:span], self._real_rotation, *caches))
+                self.weights, step_tokens, cached, self._positions[:span], self._real_rotation, *caches))
+            logits = None if logits is None else logits[:rows]
         if logits is None:
             logits = self.forward.step(self.weights, tokens, self._cached, self._positions[:span], self._rotation,
                                        *caches)

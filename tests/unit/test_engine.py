@@ -652,6 +652,28 @@ def test_compiled_steps_take_new_weights_without_recompiling():
 
 
 @pytest.mark.slow
+def test_compiled_steps_serve_a_single_row(monkeypatch):
+    # The package's dimensions start at 2: one row steps beside a copy of itself, not eagerly.
+    model = _build("qwen2", 97, seed=3)
+    decoder = LlamaFamilyDecoder(model, compile=True)
+
+    def no_eager_step(*args):
+        raise AssertionError("an eager step")
+
+    sequence = [9, 10]
+    with torch.inference_mode():
+        decoder.prefill([list(sequence)], [1], max_new_tokens=[8])
+        for token in (11, 12, 13):
+            if token == 12:  # the first step built (or loaded) the package: export traced the eager step
+                monkeypatch.setattr(decoder.forward, "step", no_eager_step)
+            sequence.append(token)
+            logits = decoder.decode(torch.tensor([token]))
+            assert logits.shape == (1, model.config.vocab_size)
+            torch.testing.assert_close(logits, _last_logits(model, [sequence]), rtol=0, atol=1e-4)
+    assert decoder._compiled is not None
+
+
+@pytest.mark.slow
 def test_compiled_step_package_is_reused_from_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path))
     model = _build("qwen2", 97, seed=4)
