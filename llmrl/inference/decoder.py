@@ -483,10 +483,6 @@ class _CompiledPackages:
                          (tokens, cached, positions, rotation_table, row_k, row_v,
                           None if shared is None else tuple(shared)))
 
-    def serves(self, kind: str, weights: _Weights) -> bool:
-        """Whether a package of `kind` is loaded for `weights` (a call would build nothing)."""
-        return weights is self._weights and any(key[0] == kind for key in self._active)
-
     def prefill(self, weights: _Weights, ids: torch.Tensor, lengths: torch.Tensor, rotation_table: torch.Tensor,
                 row_k: torch.Tensor, row_v: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor
                 ) -> torch.Tensor:
