@@ -532,13 +532,10 @@ class LocalEngine:
                                                          strict=True)):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            request = seq.request
-            # Most rows go on: only those that may end pay for the full check.
-            if token in request.stop_ids or request.args.stop or len(seq.tokens) >= request.args.max_tokens:
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    seq.finish_reason = reason
-                    finished.append(row)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                finished.append(row)
         self.stats.completion_tokens += len(self._running)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self._decoder.cache_bytes)
         if finished:
