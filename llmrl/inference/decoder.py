@@ -7,8 +7,9 @@ decoder's row order (``remove_rows`` returns the new order).
 Two implementations:
 
 * `LlamaFamilyDecoder` (Llama, Qwen2): its own KV cache and a forward pass in plain torch ops on
-  the model's weights (q/k/v and gate/up projections concatenated into one matmul each, RMSNorm
-  as one ``F.rms_norm``, rotary embedding as one complex multiply on pair-ordered q/k rows). Why
+  the model's weights (q/k/v and gate/up projections concatenated into one matmul each, rotary
+  embedding as one complex multiply on pair-ordered q/k rows, the residual stream kept by columns
+  so that the weights are the left operand of each matmul: `_column_linear`). Why
   not ``model(...)`` with a transformers cache class: continuous batching has rows of different
   lengths joining and leaving between steps and groups sharing one prompt, while a
   ``DynamicCache`` appends every row at one shared position, so each join or leave would re-pad
@@ -42,7 +43,8 @@ Two implementations:
   (one more score column under the same softmax), and then writes every layer's new keys and
   values with one indexed write each. So the whole step can be compiled ahead of time
   (``compile=True``, `_CompiledPackages`): ``torch.export`` takes it whole and AOTInductor fuses the
-  ops between the matmuls into C++ loops, writes the caches in place and calls it all from
+  ops between the matmuls into C++ loops (attention over the cached positions included, written
+  as sums for it: `_LlamaForward._own_scores`), writes the caches in place and calls it all from
   generated C++, with no guards or Python wrappers per step; weights and caches are inputs whose
   varying sizes are named dynamic dimensions, so new weights and a growing batch reuse one
   package per attention kind. Prefills whose prompts all go into rows share the eager prefill's
