@@ -241,8 +241,8 @@ class _LlamaForward:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each column of `x` (features, tokens); Llama/Qwen2 normalise in float32 and
         scale in the model dtype."""
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(0, keepdim=True) + self.eps)
-        return weight[:, None] * normed.to(x.dtype)
+        x32 = x.float()
+        return weight[:, None] * (x32 * torch.rsqrt(x32.pow(2).mean(0, keepdim=True) + self.eps)).to(x.dtype)
 
     def qkv(self, x: torch.Tensor, layer: _LayerWeights) -> torch.Tensor:
         """The attention's queries, keys and values by token, (tokens, (H + 2 Hkv) D)."""
