@@ -17,7 +17,8 @@ The reference is what TRL does without vLLM: `model.generate` with left padding 
 64 rows per call (each prompt repeated group-size times); a call runs until its longest row is
 done, and only the tokens each row asked for count. Engine and reference run alternately, each
 repeat measuring both, so the printed ratio is taken within one repeat on a machine that others
-share (the median over repeats is shown).
+share (the median over repeats is shown). Each engine is built once per workload and serves all
+its repeats, as the trainer's engine serves every step; every runner runs once untimed first.
 
 Also printed: achieved model FLOP/s as a fraction of a fp32 matmul peak measured in the same run
 (useful FLOPs only: weights x tokens plus causal attention, no padding or recomputation), the
@@ -128,10 +129,13 @@ def long_prompt_group(tokenizer, length: int, samples: int) -> Group:
 # Runners
 
 
-def run_engine(model, tokenizer, workload: Workload, seed: int, compile: bool) -> Run:
-    """All groups submitted at once to a fresh engine (at most 64 sequences decode together)."""
-    engine = LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=seed, compile=compile,
-                         eos_token_ids=() if workload.ignore_eos else None)
+def new_engine(model, tokenizer, workload: Workload, compile: bool) -> LocalEngine:
+    return LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=0, compile=compile,
+                       eos_token_ids=() if workload.ignore_eos else None)
+
+
+def run_engine(engine: LocalEngine, workload: Workload) -> Run:
+    """All groups submitted at once (at most 64 sequences decode together)."""
     requests = [
         InferenceRequest(prompt=g.messages, n=g.samples,
                          generation_args=GenerationArgs(temperature=workload.temperature, max_tokens=g.max_tokens))
@@ -291,13 +295,19 @@ def interleaved(repeats: int, runners: dict[str, Callable[[int], T]]) -> dict[st
 def compare(model, tokenizer, workload: Workload, repeats: int, compile: bool, eager: bool = False
             ) -> dict[str, list[Run]]:
     """Interleaved runs of the engine (compiled when `compile`), `generate`, and with `eager` the
-    eager engine too (only when `compile`: else "engine" is the eager one)."""
-    runners = {
-        "engine": lambda repeat: run_engine(model, tokenizer, workload, repeat, compile),
-        "generate": lambda repeat: run_generate(model, tokenizer, workload),
-    }
+    eager engine too (only when `compile`: else "engine" is the eager one).
+
+    Each engine is built once and serves every repeat, as the trainer's engine serves every step;
+    each runner runs once untimed before the repeats."""
+    def engine_runner(compiled: bool) -> Callable[[int], Run]:
+        engine = new_engine(model, tokenizer, workload, compiled)
+        return lambda _: run_engine(engine, workload)
+
+    runners = {"engine": engine_runner(compile), "generate": lambda _: run_generate(model, tokenizer, workload)}
     if eager and compile:
-        runners["eager"] = lambda repeat: run_engine(model, tokenizer, workload, repeat, False)
+        runners["eager"] = engine_runner(False)
+    for runner in runners.values():
+        runner(-1)
     return interleaved(repeats, runners)
 
 
@@ -325,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         # Every graph the timed runs need: prompts copied into rows, and one shared prompt.
         shared = Workload("shared", [long_prompt_group(tokenizer, 256, 16)], ignore_eos=True)
         for workload in [*workloads(tokenizer, quick=True), shared]:
-            run_engine(model, tokenizer, workload, 0, compile=True)
+            run_engine(new_engine(model, tokenizer, workload, compile=True), workload)
         print(f"engine warm-up, compiling its decode steps ahead of time (once; packages are cached on disk): "
               f"{time.perf_counter() - began:.1f} s")
     print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "

@@ -35,7 +35,9 @@ Two implementations:
   Rows leave by moving the last rows into their slots (cost proportional to the rows removed);
   a group's shared entry leaves with its last row. Row capacity doubles (up to ``max_rows``), and
   so does length capacity, in steps of 16, up to the most any running row can reach; the cache is
-  zero-filled, so masked positions never hold NaN (0 x NaN is NaN).
+  zero-filled, so masked positions never hold NaN (0 x NaN is NaN): they hold zeros or what rows
+  that left wrote there, finite keys and values. On CPU the cache's memory outlives its batch
+  (``KEEP_WHILE_IDLE``): fresh memory costs page faults, a few ms per growth of a 64-row batch.
 
   A decode step (`_LlamaForward.step`) is one function of the weights, the caches and per-row
   index tensors: it builds the masks and rotary rows, runs the forward pass, in which each row
@@ -110,7 +112,7 @@ class Decoder(Protocol):
         ...
 
     def reset(self) -> None:
-        """Drop every row and free the cache."""
+        """Drop every row (the cache's memory may stay allocated for the next batch)."""
         ...
 
     def refresh_weights(self) -> None:
@@ -628,6 +630,12 @@ class LlamaFamilyDecoder:
     of 18-token prompts 1.16, of 64 tokens 1.19, of 128 tokens 0.84, of 256 tokens 0.83; 16 x 4 of
     128 tokens 1.08; 4 x 16 of 256 tokens 0.83; 1 x 8 of 256 tokens 1.28 (a small batch whose cache
     fits in L2 gains little from reading less and pays the cascade's extra ops)."""
+    KEEP_WHILE_IDLE = 1 << 30
+    """On CPU, a KV cache of at most this many bytes stays allocated when its batch ends (`reset`),
+    so the next batch reuses it instead of growing into fresh memory, whose first touch of each
+    4 KiB page faults (~3 us a page on the VM measured: a grpo batch's three growths took 12-17 ms,
+    ~5% of its run). On CUDA, torch's caching allocator already reuses the memory, and training
+    may need it while the engine idles."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -675,6 +683,8 @@ class LlamaFamilyDecoder:
         self._positions = torch.empty(0, device=self.device, dtype=torch.int64)  # 0, 1, ...: spans are its slices
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)
         self._real_rotation = torch.empty(0, 2, self.head_dim, device=self.device)  # for compiled steps (`_rotate`)
+        self.shared_k = self.shared_v = None  # (layers, groups_cap, kv_heads, shared_cap, D)
+        self.row_k = self.row_v = None  # (layers, rows_cap, kv_heads, row_cap, D)
         self.refresh_weights()
         self.reset()
 
@@ -721,8 +731,9 @@ class LlamaFamilyDecoder:
         self.row_group: list[int] = []  # per row: its group
         self.cached: list[int] = []  # per row: tokens in its own cache (inline prompt + generated)
         self.reach: list[int] = []  # per row: the most positions its own cache will need
-        self.shared_k = self.shared_v = None  # (layers, groups_cap, kv_heads, shared_cap, D)
-        self.row_k = self.row_v = None  # (layers, rows_cap, kv_heads, row_cap, D)
+        if self.device.type != "cpu" or self.cache_bytes > self.KEEP_WHILE_IDLE:
+            self.shared_k = self.shared_v = None
+            self.row_k = self.row_v = None
         self._sync_rows()
 
     @property

@@ -420,7 +420,7 @@ class LocalEngine:
                     admitted = self._schedule()
                     if admitted is None:
                         self._driver = None
-                        self._decoder.reset()  # frees the KV cache while idle
+                        self._decoder.reset()  # an empty batch (on GPU the KV cache is freed while idle)
                         return False
                 self._step(admitted)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the engine

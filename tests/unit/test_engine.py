@@ -622,11 +622,35 @@ def test_row_cache_doubles_up_to_what_its_rows_can_reach():
             decoder.decode(torch.tensor([11, 12]))
             lengths.append(decoder.row_k.shape[3])
         assert sorted(set(lengths)) == [16, 32, 64, 112]  # 100 rounded up to a multiple of 16, not 128
-        decoder.reset()
-        decoder.prefill([[5, 6, 7, 8, 9]], [2])  # no limit given: plain doubling
-        for _ in range(94):
+        kept = decoder.row_k
+        decoder.reset()  # on CPU the next batch reuses the memory: nothing grows again
+        decoder.prefill([[5, 6, 7]], [2], max_new_tokens=[90])
+        for _ in range(90):
             decoder.decode(torch.tensor([11, 12]))
-        assert decoder.row_k.shape[3] == 128
+        assert decoder.row_k is kept
+        fresh = LlamaFamilyDecoder(decoder.model)
+        fresh.prefill([[5, 6, 7, 8, 9]], [2])  # no limit given: plain doubling
+        for _ in range(94):
+            fresh.decode(torch.tensor([11, 12]))
+        assert fresh.row_k.shape[3] == 128
+
+
+def test_reused_cache_gives_the_logits_of_a_fresh_one():
+    # Rows of the next batch land on memory that earlier rows wrote: masked, it changes nothing.
+    model = _build("qwen2", 97, seed=3)
+    decoder = LlamaFamilyDecoder(model)
+    prompts, tokens = [[5, 6, 7, 8], [9, 10]], torch.tensor([11, 12, 13])
+    with torch.inference_mode():
+        decoder.prefill([list(range(20, 60))], [4])
+        for _ in range(8):
+            decoder.decode(torch.tensor([14, 15, 16, 17]))
+        decoder.reset()
+        assert decoder.num_rows == 0 and decoder.cache_bytes > 0
+        decoder.prefill(prompts, [2, 1])
+        reused = decoder.decode(tokens)
+        fresh = LlamaFamilyDecoder(model)
+        fresh.prefill(prompts, [2, 1])
+        torch.testing.assert_close(reused, fresh.decode(tokens), rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
