@@ -64,6 +64,7 @@ import asyncio
 import random
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +207,7 @@ class LocalEngine:
         # Owned by the driver:
         self._running: list[_Sequence] = []  # in the decoder's row order
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
+        self._draws: list[Callable[[], float]] = []  # each row's uniform draw, rebuilt with `_rows`
         self._last_tokens = torch.empty(0, dtype=torch.int64)  # (rows,) each row's latest token, fed next step
         self._cancellations = False  # set when a request's future is cancelled, from any thread
         self._admission_waited = 0  # steps admissible requests have waited (`_defer_admission`)
@@ -523,8 +525,9 @@ class LocalEngine:
         if self._rows is None:
             self._rows = row_sampling([seq.request.args for seq in self._running], self._decoder.vocab_size,
                                       self._device)
-        uniforms = list_tensor([min(seq.rng.random(), MAX_UNIFORM) if seq.rng is not None else 0.0
-                                for seq in self._running], torch.float32, self._device)
+            self._draws = [_no_draw if seq.rng is None else seq.rng.random for seq in self._running]
+        # A double just below 1 rounds to 1.0 in float32: clamped after the conversion.
+        uniforms = list_tensor([draw() for draw in self._draws], torch.float32, self._device).clamp_(max=MAX_UNIFORM)
         tokens, logprobs = sample_tokens(torch.cat(logits) if len(logits) > 1 else logits[0], self._rows, uniforms)
         self._last_tokens = tokens
         finished = []
@@ -615,6 +618,11 @@ class LocalEngine:
         self._running = []
         self._rows = None
         self._decoder.reset()
+
+
+def _no_draw() -> float:
+    """The uniform of a greedy row, which draws nothing."""
+    return 0.0
 
 
 def _default_eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
