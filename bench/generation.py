@@ -1,6 +1,6 @@
 """Generation throughput: LocalEngine against Hugging Face `generate` on the same prompts.
 
-    python bench/generation.py [--model tiny://arithmetic] [--repeats 3] [--threads N] [--quick] [--no-compile]
+    python bench/generation.py [--model tiny://arithmetic] [--repeats 9] [--threads N] [--quick] [--no-compile]
 
 Workloads (completion tokens per second, higher is better):
 
@@ -17,8 +17,10 @@ The reference is what TRL does without vLLM: `model.generate` with left padding 
 64 rows per call (each prompt repeated group-size times); a call runs until its longest row is
 done, and only the tokens each row asked for count. Engine and reference run alternately, each
 repeat measuring both, so the printed ratio is taken within one repeat on a machine that others
-share (the median over repeats is shown). Each engine is built once per workload and serves all
-its repeats, as the trainer's engine serves every step; every runner runs once untimed first.
+share (the median over repeats is shown, and the middle half of them: the VM's speed moves
+within a second, so single repeats scatter widely). Each engine is built once per workload and
+serves all its repeats, as the trainer's engine serves every step; every runner runs once
+untimed first.
 
 Also printed: achieved model FLOP/s as a fraction of a fp32 matmul peak measured in the same run
 (useful FLOPs only: weights x tokens plus causal attention, no padding or recomputation), the
@@ -280,6 +282,12 @@ def decode_step_ms(model, repeats: int, compile: bool) -> dict[str, float]:
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
+def quartiles(values: list[float]) -> str:
+    """First and third quartiles, as ``q1-q3``."""
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return f"{low:>5.2f}-{high:<5.2f}"
+
+
 def interleaved(repeats: int, runners: dict[str, Callable[[int], T]]) -> dict[str, list[T]]:
     """Each repeat runs every runner once (given the repeat index), alternating the order."""
     results: dict[str, list[T]] = {name: [] for name in runners}
@@ -314,7 +322,7 @@ def compare(model, tokenizer, workload: Workload, repeats: int, compile: bool, e
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny://arithmetic", help="model spec for llmrl.models.load_model")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
@@ -339,13 +347,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"engine warm-up, compiling its decode steps ahead of time (once; packages are cached on disk): "
               f"{time.perf_counter() - began:.1f} s")
     print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "
-          f"(range: lowest and highest repeat)\n")
+          f"(q1-q3: the middle half of the repeats' ratios)\n")
     step = decode_step_ms(model, args.repeats, args.compile)
     compiled_step = f"compiled {step['compiled']:.2f} ms, " if args.compile else ""
     print(f"one 64-row decode step: engine decoder {compiled_step}eager {step['eager']:.2f} ms; "
           f"model(...) + DynamicCache {step['forward']:.2f} ms\n")
 
-    header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} {'range':<11} "
+    header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} {'q1-q3':<11} "
               f"{'eager':>6} {'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
               f"{'KV generate':>12}")
     print(header)
@@ -360,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}
         print(f"{workload.name:<10} {runs['engine'][0].tokens:>7} {statistics.median(rates['engine']):>13.0f} "
               f"{statistics.median(rates['generate']):>15.0f} {statistics.median(ratios):>6.2f}x "
-              f"{min(ratios):>5.2f}-{max(ratios):<5.2f} {statistics.median(eager_ratios):>5.2f}x "
+              f"{quartiles(ratios)} {statistics.median(eager_ratios):>5.2f}x "
               f"{flops['engine'] / 1e9:>15.1f} "
               f"{flops['engine'] / peak:>8.1%} {flops['generate'] / peak:>9.1%} {kv['engine']:>6.1f} MiB "
               f"{kv['generate']:>8.1f} MiB")
