@@ -57,15 +57,18 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
 
     from llmrl.agents import build_agents
     from llmrl.evaluation import evaluate_environments, summary_table
-    from llmrl.inference import build_inference, run_sync
+    from llmrl.inference import build_inference, close_inference, run_sync
     from llmrl.registry import import_plugins
 
     import_plugins(config.plugins)
     agents = build_agents(config.environments, config.seed)
     inference = build_inference(config.inference, config.model, seed=config.seed)
-    summary = run_sync(
-        evaluate_environments(agents, inference, config.evaluation, config.inference.generation)
-    )
+    try:
+        summary = run_sync(
+            evaluate_environments(agents, inference, config.evaluation, config.inference.generation)
+        )
+    finally:
+        close_inference(inference)
     # Off a terminal rich assumes 80 columns and would abbreviate the metric names.
     Console(width=None if sys.stdout.isatty() else 120).print(summary_table(summary, title))
     return summary

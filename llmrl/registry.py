@@ -25,6 +25,7 @@ _BUILTIN_AGENTS: dict[str, str] = {
 _BUILTIN_INFERENCE: dict[str, str] = {
     "local": "llmrl.inference.engine:LocalEngine",
     "openai": "llmrl.inference.openai:OpenAIInterface",
+    "vllm": "llmrl.inference.vllm:VLLMInterface",
 }
 
 _agents: dict[str, str | type] = dict(_BUILTIN_AGENTS)

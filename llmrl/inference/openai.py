@@ -129,6 +129,8 @@ class OpenAIInterface:
             raise ValueError(
                 "inference.base_url: required for inference type 'openai' (e.g. http://127.0.0.1:8000/v1)"
             )
+        if isinstance(config.base_url, list):
+            raise ValueError("inference.base_url: type 'openai' takes one URL; type 'vllm' spreads over several")
         api_key = None
         if config.api_key_env:
             api_key = os.environ.get(config.api_key_env)

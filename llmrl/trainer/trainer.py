@@ -39,7 +39,7 @@ import yaml
 from llmrl.agents import build_agents
 from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
-from llmrl.inference import build_inference, run_sync
+from llmrl.inference import build_inference, close_inference, run_sync
 from llmrl.logging import MetricsLogger, RolloutLog, Tracer, atomic_write, read_metrics, use_tracer
 from llmrl.models import load_model
 from llmrl.registry import import_plugins
@@ -56,7 +56,7 @@ from llmrl.types import GenerationArgs
 # Fields that may change between a run and its resumption without changing what it trains.
 _RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
                       "inference.api_key_env", "inference.request_timeout_s", "inference.weights_dir",
-                      "inference.weight_sync_timeout_s")
+                      "inference.weight_sync_timeout_s", "inference.vllm")
 # Written fresh by a run that starts from step 0.
 _RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
 
@@ -80,9 +80,11 @@ class Trainer:
         device = _device(config.training.device)
         self.distributed = Distributed.from_env(device)  # None in one process
         self.is_main = self.distributed is None or self.distributed.is_main
+        self.inference = None
         try:
             self._build(config, device, resume)
         except BaseException:
+            close_inference(self.inference)
             if self.distributed is not None:  # leave the process group before the interpreter exits
                 self.distributed.close(wait=False)
             raise
@@ -126,7 +128,8 @@ class Trainer:
             temperature=generation.temperature, max_tokens=generation.max_tokens,
             pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference, distributed=self.distributed,
         )  # fmt: skip
-        self.inference = build_inference(config.inference, config.model, seed=config.seed) if self.is_main else None
+        if self.is_main:
+            self.inference = build_inference(config.inference, config.model, seed=config.seed, run_dir=self.run_dir)
 
         self.pipeline: RolloutPipeline | None = None
         self.step = 0
@@ -149,6 +152,7 @@ class Trainer:
         with ExitStack() as stack:
             if self.distributed is not None:  # leaves the process group last, whatever happens
                 stack.push(self._leave_process_group)
+            stack.callback(close_inference, self.inference)  # managed servers stop on every exit
             if config.training.deterministic:
                 stack.enter_context(_deterministic_algorithms())
             self._open_outputs(stack)
