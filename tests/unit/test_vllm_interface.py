@@ -1,0 +1,150 @@
+"""VLLMInterface against a scripted vLLM (httpx mock): start-up checks, the weight-sync route
+sequence, buckets and the checks before sending. The real server is in tests/integration/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from llmrl.config import InferenceConfig, VLLMConfig, config_from_dict
+from llmrl.inference.openai import UnsupportedServerError, WeightSyncError
+from llmrl.inference.vllm import VLLMInterface, check_weights, find_vllm_python, weight_buckets
+
+STATE = {
+    "model.embed_tokens.weight": torch.randn(8, 4),
+    "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
+    "model.layers.0.self_attn.k_proj.weight": torch.randn(4, 4),
+    "model.layers.0.mlp.gate_proj.weight": torch.randn(6, 4),
+    "model.layers.1.self_attn.q_proj.weight": torch.randn(4, 4),
+    "model.norm.weight": torch.randn(4),
+}
+MANIFEST = {name: {"dtype": "F32", "shape": list(t.shape)} for name, t in STATE.items()}
+
+
+class ScriptedVLLM:
+    """Answers like a vLLM server in dev mode with llmrl's extension; records every call."""
+
+    def __init__(self, **facts: Any):
+        self.facts = {"logprobs_mode": "processed_logprobs", "weight_transfer_backend": "llmrl",
+                      "manifest": MANIFEST} | facts  # fmt: skip
+        self.calls: list[str] = []
+        self.weight_version: str | None = None
+        self.fail: dict[str, int] = {}  # path -> status to answer with
+        self.routes_missing = False
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.calls.append(path)
+        if path in self.fail:
+            return httpx.Response(self.fail[path], json={"error": {"message": f"{path} broke"}})
+        if path == "/health":
+            return httpx.Response(200)
+        if self.routes_missing and path in ("/weight_info", "/collective_rpc"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if path == "/collective_rpc":
+            return httpx.Response(200, json={"results": [self.facts]})
+        if path == "/finish_weight_update":
+            self.weight_version = json.loads(request.content)["weight_version"]
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.weight_version})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200, json={"status": "ok"})
+
+
+def interface(server: ScriptedVLLM, **config: Any) -> VLLMInterface:
+    return VLLMInterface(["http://vllm:8000"], config=VLLMConfig(**config), transport=httpx.MockTransport(server))
+
+
+def test_a_sync_walks_vllm_rl_routes_in_order_and_confirms_the_version():
+    server = ScriptedVLLM()
+    vllm = interface(server, bucket_mb=1)
+    server.calls.clear()
+    vllm.update_weights(STATE, version=3)
+    assert server.calls == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                            "/reset_prefix_cache", "/resume", "/weight_info"]  # fmt: skip
+    assert server.weight_version == "3" and vllm.policy_version == 3
+    server.calls.clear()
+    vllm.update_weights(STATE, version=3)  # the served version again: nothing to do
+    assert server.calls == []
+    with pytest.raises(WeightSyncError, match="older"):
+        vllm.update_weights(STATE, version=2)
+    vllm.update_weights(STATE, version=2, reset=True)  # a resumed run owns the sequence
+    assert server.weight_version == "2"
+
+
+def test_a_failed_update_still_resumes_the_server_and_names_the_call():
+    server = ScriptedVLLM()
+    server.fail["/update_weights"] = 500
+    vllm = interface(server)
+    server.calls.clear()
+    with pytest.raises(WeightSyncError, match=r"POST /update_weights answered 500: /update_weights broke"):
+        vllm.update_weights(STATE, version=1)
+    assert server.calls[-1] == "/resume" and "/finish_weight_update" not in server.calls
+    assert vllm.policy_version == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"routes_missing": True}, "VLLM_SERVER_DEV_MODE=1"),
+        ({"logprobs_mode": "raw_logprobs"}, "--logprobs-mode processed_logprobs"),
+        ({"weight_transfer_backend": None}, "--weight-transfer-config"),
+    ],
+)
+def test_a_server_that_cannot_be_trained_from_is_named_with_the_missing_flag(change, message):
+    server = ScriptedVLLM()
+    if change.pop("routes_missing", False):
+        server.routes_missing = True
+    server.facts |= change
+    with pytest.raises(UnsupportedServerError, match=message):
+        interface(server)
+
+
+def test_weights_are_checked_against_the_served_checkpoint_before_anything_is_sent():
+    server = ScriptedVLLM()
+    vllm = interface(server)
+    cases = {
+        "shape": STATE | {"model.norm.weight": torch.randn(5)},
+        "NaN": STATE | {"model.norm.weight": torch.full((4,), float("nan"))},
+        "floating": STATE | {"model.norm.weight": torch.ones(4, dtype=torch.int64)},
+        "missing": {k: v for k, v in STATE.items() if "k_proj" not in k},  # half of a fused qkv
+        "lacks": STATE | {"model.extra.weight": torch.randn(2)},
+    }
+    for message, state in cases.items():
+        server.calls.clear()
+        with pytest.raises(ValueError, match=message):
+            vllm.update_weights(state, version=1)
+        assert server.calls == []
+
+
+def test_buckets_are_bounded_and_never_split_a_layer():
+    sizes = {name: t.numel() * 4 for name, t in STATE.items()}
+    buckets = weight_buckets(list(STATE), sizes, bucket_bytes=100)
+    assert sorted(n for b in buckets for n in b) == sorted(STATE)
+    layer0 = [b for b in buckets if any("layers.0." in n for n in b)]
+    assert len(layer0) == 1 and len([n for n in layer0[0] if "layers.0." in n]) == 3
+    assert len(weight_buckets(list(STATE), sizes, bucket_bytes=1 << 30)) == 1
+    check_weights(STATE, MANIFEST, "server")  # the state itself passes
+
+
+def test_config_picks_external_servers_from_base_url_and_validates_the_section():
+    environments = [{"agent_type": "arithmetic"}]
+    config = config_from_dict({"environments": environments, "inference": {
+        "type": "vllm", "base_url": ["http://a:1", "http://b:2"], "vllm": {"transport": "disk", "bucket_mb": 64}}})
+    assert isinstance(config.inference, InferenceConfig) and config.inference.vllm.transport == "disk"
+    with pytest.raises(ValueError, match="inference.vllm.transport"):
+        config_from_dict({"environments": environments, "inference": {"vllm": {"transport": "carrier-pigeon"}}})
+    with pytest.raises(ValueError, match="weights_dir"):
+        VLLMInterface(["http://a:1"], config=VLLMConfig(transport="disk"))
+
+
+def test_a_configured_vllm_python_that_does_not_exist_is_named(tmp_path):
+    from llmrl.inference.vllm import VLLMStartError
+
+    with pytest.raises(VLLMStartError, match="inference.vllm.python"):
+        find_vllm_python(str(tmp_path / "nope" / "python"))
