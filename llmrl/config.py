@@ -65,8 +65,8 @@ class VLLMConfig(Section):
     """GPUs per managed server (vLLM's --tensor-parallel-size)."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Share of each GPU a managed server may take (ignored by vLLM's CPU build)."""
-    cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
-    """KV-cache memory of a managed server on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kv_cache_gib: int = Field(1, ge=1)
+    """KV-cache memory in GiB of a managed server on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
     extra_args: list[str] = Field(default_factory=list)
     """More command-line arguments for managed servers, passed through as they are."""
     env: dict[str, str] = Field(default_factory=dict)

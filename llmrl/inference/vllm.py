@@ -157,7 +157,7 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{self.config.cpu_kv_cache_gib:g}"}
+        env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kv_cache_gib)}
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         return env | self.config.env

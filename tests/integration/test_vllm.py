@@ -32,7 +32,7 @@ from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 pytestmark = pytest.mark.slow
 
-CONFIG = VLLMConfig(max_model_len=256, cpu_kv_cache_gib=0.25, startup_timeout_s=300)
+CONFIG = VLLMConfig(max_model_len=256, cpu_kv_cache_gib=1, startup_timeout_s=300)
 PROMPTS = ["12 + 34 =", "7 + 58 =", "90 + 9 ="]
 
 
@@ -126,8 +126,9 @@ def test_token_ids_and_logprobs_match_a_forward_pass(servers, model_dir, base_we
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     response = vllm.generate(request(PROMPTS[0], n=1))[0]
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True)
-    assert response.prompt_token_ids == list(chat["input_ids"] if isinstance(chat, dict) else chat)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)  # fmt: skip
+    assert response.prompt_token_ids == list(chat["input_ids"])
     for args in ({"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}):
         assert max_logprob_gap(vllm, model, **args) < 1e-4, args
 
@@ -226,7 +227,7 @@ def test_llmrl_train_on_managed_vllm_learns_and_leaves_no_process(tmp_path):
     command = [sys.executable, "-m", "llmrl", "train", "examples/arithmetic_vllm.yaml",
                "--set", f"run_dir={run_dir}", "--set", "training.steps=4", "--set", "evaluation.every=0",
                "--set", "training.prompts_per_step=16", "--set", "logging.progress=plain",
-               "--set", "inference.vllm.cpu_kv_cache_gib=0.25"]  # fmt: skip
+               "--set", "inference.vllm.cpu_kv_cache_gib=1"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
