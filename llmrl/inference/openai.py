@@ -20,6 +20,7 @@ import asyncio
 import os
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Coroutine
@@ -119,6 +120,8 @@ class OpenAIInterface:
         )
         self._sessions_lock = threading.Lock()
         self._version = 0
+        self.unreachable_since: float | None = None
+        """When (`time.time()`) the requests began failing to reach the server; None while they reach it."""
         self._written_file: Path | None = None  # the last weights file we wrote into weights_dir
 
     @classmethod
@@ -278,8 +281,13 @@ class OpenAIInterface:
                 )
             except (httpx.TransportError, asyncio.TimeoutError) as exc:
                 failure, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
+                self.unreachable_since = self.unreachable_since or time.time()
                 continue
             status = response.status_code
+            if status < 500:  # it answered: reachable, even when it refuses
+                self.unreachable_since = None
+            elif self.unreachable_since is None:
+                self.unreachable_since = time.time()
             if status < 400:
                 try:
                     return response.json()
