@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_POLICY_VERSION = 2**63 - 1
+"""Largest weight version (a signed 64-bit integer, as every client and store can hold it)."""
+
 FinishReason = Literal["stop", "length", "abort"]
 RolloutStatus = Literal["ok", "placeholder", "failed"]
 
@@ -111,7 +114,9 @@ class InferenceResponse(WireModel):
     token_ids: list[int] = Field(description="Completion token ids only.")
     logprobs: list[float] | None = Field(None, description="One logprob per completion token.")
     finish_reason: FinishReason
-    policy_version: int = Field(0, ge=0, description="Version of the weights that generated it.")
+    policy_version: int = Field(
+        0, ge=0, le=MAX_POLICY_VERSION, description="Version of the weights that generated it."
+    )
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> InferenceResponse:

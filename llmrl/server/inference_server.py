@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmrl.inference.engine import LocalEngine
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
-from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest, InferenceResponse
+from llmrl.types import MAX_POLICY_VERSION, ChatMessage, GenerationArgs, InferenceRequest, InferenceResponse
 
 MIB = 1024**2
 GIB = 1024**3
@@ -119,7 +119,7 @@ class WeightsByPath(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_POLICY_VERSION, strict=True)
     path: str = Field(min_length=1)
     reset: bool = False
     """Serve these weights even if `version` is not newer (a trainer starting or resuming a run)."""
@@ -232,6 +232,7 @@ class _InferenceServer:
                 return early
             upload = await _receive_to_file(request)
             try:
+                _refuse_pickles(upload)
                 return await asyncio.to_thread(self._apply_weights, upload, version, reset)
             finally:
                 upload.unlink(missing_ok=True)
@@ -282,6 +283,7 @@ class _InferenceServer:
             raise RequestRefused(403, f"path: {requested!r} is not inside the server's weights folder")
         if not path.exists():
             raise RequestRefused(400, f"path: {requested!r} does not exist in the server's weights folder")
+        _refuse_pickles(path)
         return path
 
     async def _read_json(self, request: Request) -> bytes:
@@ -327,11 +329,32 @@ def _validation_message(exc: ValidationError) -> str:
 
 def _query_version(request: Request) -> int:
     raw = request.query_params.get("version", "")
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_POLICY_VERSION:
         raise RequestRefused(
-            422, "query.version: an integer >= 0 is required with streamed weights (?version=N)"
+            422, f"query.version: an integer in 0..{MAX_POLICY_VERSION} is required with streamed weights (?version=N)"
         )
     return int(raw)
+
+
+def _refuse_pickles(path: Path) -> None:
+    """Only safetensors are loaded: a pickle (``torch.save``, ``.pt``/``.bin``) can run code when read."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise RequestRefused(400, f"weights: {path.name} holds no .safetensors files (pickles are refused)")
+    for file in files:
+        if file.suffix != ".safetensors" or not _shaped_like_safetensors(file):
+            raise RequestRefused(
+                400, f"weights: {file.name} is not a safetensors file (pickles from torch.save are refused)"
+            )
+
+
+def _shaped_like_safetensors(path: Path) -> bool:
+    """An 8-byte little-endian header length that fits the file, then the header's JSON object."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    if len(head) < 9:
+        return False
+    return head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= path.stat().st_size
 
 
 async def _receive_to_file(request: Request) -> Path:
