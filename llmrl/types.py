@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+MIN_TEMPERATURE = 1e-5
+"""Smallest temperature above 0: below it ``logits / T`` overflows float32 (NaN probabilities); 0 is greedy."""
 
 MAX_POLICY_VERSION = 2**63 - 1
 """Largest weight version (a signed 64-bit integer, as every client and store can hold it)."""
@@ -34,13 +37,23 @@ class GenerationArgs(WireModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
-    max_tokens: int = Field(256, ge=1, description="Maximum number of completion tokens.")
+    temperature: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False,
+        description=f"Softmax temperature; 0 means greedy decoding, otherwise at least {MIN_TEMPERATURE}.",
+    )  # fmt: skip
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
+    top_k: StrictInt = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
+    max_tokens: StrictInt = Field(256, ge=1, description="Maximum number of completion tokens.")
     stop: tuple[str, ...] = Field((), description="Strings that end the completion (not included in it).")
-    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the completion (included).")
-    seed: int | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
+    stop_token_ids: tuple[StrictInt, ...] = Field((), description="Token ids that end the completion (included).")
+    seed: StrictInt | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_samples(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
+        return temperature
 
     @field_validator("stop")
     @classmethod
@@ -78,8 +91,8 @@ class InferenceRequest(WireModel):
 
     prompt: str | list[ChatMessage]
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
-    n: int = Field(1, ge=1, description="Number of completions to sample for this prompt.")
-    prompt_token_ids: list[int] | None = Field(
+    n: StrictInt = Field(1, ge=1, description="Number of completions to sample for this prompt.")
+    prompt_token_ids: list[StrictInt] | None = Field(
         None,
         description=(
             "Token ids that come before `prompt`, used verbatim (multi-turn continuation: the previous "

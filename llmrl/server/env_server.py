@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from llmrl.agents import Agent, WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, RunConfig, load_config
@@ -84,8 +84,8 @@ class InferenceEndpoint(BaseModel):
 class GroupRolloutsRequest(WireModel):
     """`num_groups` training problems, `group_size` scored samples each."""
 
-    num_groups: int = Field(ge=1, le=1024)
-    group_size: int = Field(ge=1, le=256)
+    num_groups: StrictInt = Field(ge=1, le=1024)
+    group_size: StrictInt = Field(ge=1, le=256)
     generation_args: GenerationArgs | None = None
     inference: InferenceEndpoint
     env_id: str | None = Field(
@@ -104,11 +104,11 @@ class GroupRolloutsResponse(WireModel):
 class EvaluateRequest(WireModel):
     """Held-out evaluation with pass@k, as `WeightedMultiTask.evaluate` does it."""
 
-    num_prompts: int = Field(ge=1, le=10_000)
-    samples_per_prompt: int = Field(1, ge=1, le=256)
-    ks: list[int] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
+    num_prompts: StrictInt = Field(ge=1, le=10_000)
+    samples_per_prompt: StrictInt = Field(1, ge=1, le=256)
+    ks: list[StrictInt] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
     greedy: bool = False
-    correct_threshold: float = 1.0
+    correct_threshold: float = Field(1.0, allow_inf_nan=False)
     generation_args: GenerationArgs | None = None
     inference: InferenceEndpoint
     env_id: str | None = Field(None, max_length=256, description="One environment; null evaluates all.")
