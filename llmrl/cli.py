@@ -150,7 +150,7 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
 
     _server_logging()
     serve_env(args.config, host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
-              overrides=args.overrides)  # fmt: skip
+              overrides=args.overrides, inference_urls=args.inference_urls)  # fmt: skip
     return 0
 
 
@@ -213,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve_env = command("serve-env", cmd_serve_env, "Serve the config's environments over HTTP.")
     _add_config_arguments(serve_env, required=True)
     _add_server_arguments(serve_env, default_port=8100)
+    serve_env.add_argument(
+        "--inference-url",
+        dest="inference_urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an inference base URL requests may name (repeatable; the config's inference.base_url is one); "
+        "only these receive the inference token, others are refused",
+    )
 
     serve_inference = command(
         "serve-inference", cmd_serve_inference, "Serve a model over an OpenAI-compatible HTTP API."
