@@ -235,8 +235,10 @@ class EvaluationResult(WireModel):
     prompt: str | list[ChatMessage]
     completions: list[str]
     rewards: list[float]
+    """The scored samples; failed ones are counted in `failed`, not scored as wrong."""
     greedy_completion: str | None = None
     greedy_reward: float | None = None
+    failed: int = Field(0, ge=0, description="Samples (greedy included) whose inference or reward failed.")
 
     @model_validator(mode="after")
     def _one_reward_per_completion(self) -> EvaluationResult:
@@ -254,12 +256,17 @@ class EvaluationResponse(WireModel):
     ks: list[int] = Field(default_factory=lambda: [1], description="k values to report pass@k for.")
 
     def metrics(self) -> dict[str, float]:
-        """Mean reward, sampled accuracy, unbiased pass@k for each k <= n, and greedy accuracy."""
+        """Mean reward, sampled accuracy, unbiased pass@k, greedy accuracy and the failed samples.
+
+        Failed samples are not scored: the rest are, and a problem left with fewer than k scored
+        samples has no pass@k. `failed_samples` says how many there were (0 when none).
+        """
         from llmrl.agents.pass_at_k import pass_at_k
 
         metrics: dict[str, float] = {}
         if not self.results:
             return metrics
+        metrics["failed_samples"] = float(sum(result.failed for result in self.results))
         all_rewards = [r for result in self.results for r in result.rewards]
         if all_rewards:
             metrics["reward_mean"] = sum(all_rewards) / len(all_rewards)

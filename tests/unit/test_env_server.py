@@ -74,6 +74,7 @@ def test_evaluate_all_environments_or_one():
         "pass@1": 0.5,
         "pass@2": 1.0,
         "greedy_accuracy": 1.0,
+        "failed_samples": 0.0,
     }
     one = call(app, "POST", "/v1/evaluate", json=evaluate_body(env_id="add2", num_prompts=2)).json()[
         "results"
