@@ -106,10 +106,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmrl.trainer.rollouts import InferenceUnavailableError
 
     config = _load(args)
-    trainer = Trainer(config, resume=args.resume)
-    if trainer.resumed and trainer.is_main:
-        print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
     try:
+        trainer = Trainer(config, resume=args.resume)  # its first weight sync may find the server gone
+        if trainer.resumed and trainer.is_main:
+            print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
         summary = trainer.run()
     except InferenceUnavailableError as exc:
         print(f"llmrl train: stopped: {exc}", file=sys.stderr)

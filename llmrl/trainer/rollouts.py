@@ -9,7 +9,7 @@ advantages and picks the rollouts that reach the loss:
 - the loss denominator counts every rollout that reaches the loss (see `RolloutBatch.normalizer`).
 
 `RolloutPipeline` refuses a batch in which too many rollouts failed in inference
-(`inference_failure`, `llmrl.agents.base.failed_in_inference`): such a batch says more about a dead server than about the policy, so it is
+(`inference_failure`): such a batch says more about a dead server than about the policy, so it is
 neither banked nor trained on; `InferenceUnavailableError` stops the run, and a rerun regenerates it.
 """
 
