@@ -8,7 +8,9 @@
     llmrl config show [CONFIG] [--set key=value]    print the fully resolved config
 
 User mistakes (bad config, missing file) print one clear message and exit with status 2;
-Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint).
+Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
+run whose inference server stops answering exits with 75 and one line saying since when; running
+the same command again resumes it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from llmrl.config import RunConfig, dump_config, load_config
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+EXIT_TRY_AGAIN = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command may succeed later
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -103,12 +106,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from llmrl.evaluation import summary_table
     from llmrl.trainer import Trainer
+    from llmrl.trainer.rollouts import InferenceUnavailableError
 
     config = _load(args)
-    trainer = Trainer(config, resume=args.resume)
-    if trainer.resumed and trainer.is_main:
-        print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
-    summary = trainer.run()
+    try:
+        trainer = Trainer(config, resume=args.resume)  # its first weight sync may find the server gone
+        if trainer.resumed and trainer.is_main:
+            print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
+        summary = trainer.run()
+    except InferenceUnavailableError as exc:
+        print(f"llmrl train: stopped: {exc}", file=sys.stderr)
+        return EXIT_TRY_AGAIN
     if not trainer.is_main:  # under torchrun, rank 0 reports
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120)
@@ -145,7 +153,7 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
 
     _server_logging()
     serve_env(args.config, host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
-              overrides=args.overrides)  # fmt: skip
+              overrides=args.overrides, inference_urls=args.inference_urls)  # fmt: skip
     return 0
 
 
@@ -208,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve_env = command("serve-env", cmd_serve_env, "Serve the config's environments over HTTP.")
     _add_config_arguments(serve_env, required=True)
     _add_server_arguments(serve_env, default_port=8100)
+    serve_env.add_argument(
+        "--inference-url",
+        dest="inference_urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an inference base URL requests may name (repeatable; the config's inference.base_url is one); "
+        "only these receive the inference token, others are refused",
+    )
 
     serve_inference = command(
         "serve-inference", cmd_serve_inference, "Serve a model over an OpenAI-compatible HTTP API."

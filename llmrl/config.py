@@ -206,6 +206,8 @@ class TrainingConfig(Section):
     for models with sliding-window attention layers."""
     generation_lag: int = Field(0, ge=0)
     """Steps generation runs ahead of training: batch t is generated with the weights of step t-1-lag while earlier steps train (0 = on-policy, no overlap)."""
+    max_inference_failure_frac: float | None = Field(None, ge=0.0, lt=1.0)
+    """Largest fraction of a batch's rollouts that may fail in inference (server unreachable, refused, timed out); a batch over it is neither banked nor trained on, and the run stops so that a rerun regenerates it. None: stop when any whole group failed in inference."""
     deterministic: bool = True
     """Use deterministic kernels so that the same config gives the same numbers."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

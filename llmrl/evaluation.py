@@ -1,9 +1,13 @@
 """Held-out evaluation of every configured environment: pass@k, greedy accuracy, mean reward.
 
 Shared by `llmrl eval` and the trainer (at the start, every `evaluation.every` steps, at the end).
+A sample whose inference or reward failed is not scored as a wrong answer: it is counted in
+``failed_samples`` and left out of the other metrics (`llmrl.types.EvaluationResponse.metrics`).
 """
 
 from __future__ import annotations
+
+import logging
 
 from rich.table import Table
 
@@ -11,6 +15,8 @@ from llmrl.agents import WeightedMultiTask
 from llmrl.config import EvaluationConfig
 from llmrl.inference.interface import InferenceInterface
 from llmrl.types import GenerationArgs
+
+log = logging.getLogger(__name__)
 
 Summary = dict[str, dict[str, float]]
 """env id -> metric name -> value."""
@@ -32,7 +38,12 @@ async def evaluate_environments(
         correct_threshold=config.correct_threshold,
         generation_args=generation_args,
     )
-    return {env_id: {"problems": float(len(r.results)), **r.metrics()} for env_id, r in responses.items()}
+    summary = {env_id: {"problems": float(len(r.results)), **r.metrics()} for env_id, r in responses.items()}
+    for env_id, metrics in summary.items():
+        if metrics.get("failed_samples"):
+            log.warning("%s: %d evaluation sample(s) failed and were not scored (see the warnings above)",
+                        env_id, metrics["failed_samples"])  # fmt: skip
+    return summary
 
 
 def summary_table(summary: Summary, title: str) -> Table:

@@ -14,7 +14,13 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+MIN_TEMPERATURE = 1e-5
+"""Smallest temperature above 0: below it ``logits / T`` overflows float32 (NaN probabilities); 0 is greedy."""
+
+MAX_POLICY_VERSION = 2**63 - 1
+"""Largest weight version (a signed 64-bit integer, as every client and store can hold it)."""
 
 FinishReason = Literal["stop", "length", "abort"]
 RolloutStatus = Literal["ok", "placeholder", "failed"]
@@ -31,13 +37,23 @@ class GenerationArgs(WireModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
-    max_tokens: int = Field(256, ge=1, description="Maximum number of completion tokens.")
+    temperature: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False,
+        description=f"Softmax temperature; 0 means greedy decoding, otherwise at least {MIN_TEMPERATURE}.",
+    )  # fmt: skip
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
+    top_k: StrictInt = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
+    max_tokens: StrictInt = Field(256, ge=1, description="Maximum number of completion tokens.")
     stop: tuple[str, ...] = Field((), description="Strings that end the completion (not included in it).")
-    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the completion (included).")
-    seed: int | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
+    stop_token_ids: tuple[StrictInt, ...] = Field((), description="Token ids that end the completion (included).")
+    seed: StrictInt | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_samples(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
+        return temperature
 
     @field_validator("stop")
     @classmethod
@@ -75,8 +91,8 @@ class InferenceRequest(WireModel):
 
     prompt: str | list[ChatMessage]
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
-    n: int = Field(1, ge=1, description="Number of completions to sample for this prompt.")
-    prompt_token_ids: list[int] | None = Field(
+    n: StrictInt = Field(1, ge=1, description="Number of completions to sample for this prompt.")
+    prompt_token_ids: list[StrictInt] | None = Field(
         None,
         description=(
             "Token ids that come before `prompt`, used verbatim (multi-turn continuation: the previous "
@@ -111,7 +127,9 @@ class InferenceResponse(WireModel):
     token_ids: list[int] = Field(description="Completion token ids only.")
     logprobs: list[float] | None = Field(None, description="One logprob per completion token.")
     finish_reason: FinishReason
-    policy_version: int = Field(0, ge=0, description="Version of the weights that generated it.")
+    policy_version: int = Field(
+        0, ge=0, le=MAX_POLICY_VERSION, description="Version of the weights that generated it."
+    )
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> InferenceResponse:
@@ -217,8 +235,10 @@ class EvaluationResult(WireModel):
     prompt: str | list[ChatMessage]
     completions: list[str]
     rewards: list[float]
+    """The scored samples; failed ones are counted in `failed`, not scored as wrong."""
     greedy_completion: str | None = None
     greedy_reward: float | None = None
+    failed: int = Field(0, ge=0, description="Samples (greedy included) whose inference or reward failed.")
 
     @model_validator(mode="after")
     def _one_reward_per_completion(self) -> EvaluationResult:
@@ -236,12 +256,17 @@ class EvaluationResponse(WireModel):
     ks: list[int] = Field(default_factory=lambda: [1], description="k values to report pass@k for.")
 
     def metrics(self) -> dict[str, float]:
-        """Mean reward, sampled accuracy, unbiased pass@k for each k <= n, and greedy accuracy."""
+        """Mean reward, sampled accuracy, unbiased pass@k, greedy accuracy and the failed samples.
+
+        Failed samples are not scored: the rest are, and a problem left with fewer than k scored
+        samples has no pass@k. `failed_samples` says how many there were (0 when none).
+        """
         from llmrl.agents.pass_at_k import pass_at_k
 
         metrics: dict[str, float] = {}
         if not self.results:
             return metrics
+        metrics["failed_samples"] = float(sum(result.failed for result in self.results))
         all_rewards = [r for result in self.results for r in result.rewards]
         if all_rewards:
             metrics["reward_mean"] = sum(all_rewards) / len(all_rewards)

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmrl.inference.interface import InferenceInterface
 from llmrl.seeding import derive_seed
-from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, RolloutGroup, TokenRollout
+from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, Rollout, RolloutGroup, TokenRollout
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,15 @@ def placeholder_rollout(env_id: str, problem_id: str, reason: str) -> TokenRollo
         status="placeholder",
         failure_reason=reason,
     )
+
+
+INFERENCE_FAILURE = "inference:"
+"""How the `failure_reason` of a placeholder begins when its inference call failed."""
+
+
+def failed_in_inference(rollout: Rollout | TokenRollout) -> bool:
+    """True for a placeholder standing in for a rollout whose inference call failed (not its reward)."""
+    return not rollout.is_valid and (rollout.failure_reason or "").startswith(INFERENCE_FAILURE)
 
 
 def request_args(args: GenerationArgs, *keys: object) -> GenerationArgs:

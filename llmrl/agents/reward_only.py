@@ -309,14 +309,17 @@ class RewardOnlyAgent(Agent):
                     )
                 )
             sampled, *greedy_sample = await asyncio.gather(*requests)
-            best = greedy_sample[0][0] if greedy_sample else None
+            # A failed sample is not a wrong answer: it is counted, not scored.
+            scored = [r for r in sampled if r.is_valid]
+            best = greedy_sample[0][0] if greedy_sample and greedy_sample[0][0].is_valid else None
             return EvaluationResult(
                 problem_id=problem.id,
                 prompt=problem.prompt,
-                completions=[_completion_text(r) for r in sampled],
-                rewards=[r.reward for r in sampled],
+                completions=[_completion_text(r) for r in scored],
+                rewards=[r.reward for r in scored],
                 greedy_completion=_completion_text(best) if best else None,
                 greedy_reward=best.reward if best else None,
+                failed=len(sampled) - len(scored) + len(greedy_sample) - (best is not None),
             )
 
         results = await asyncio.gather(*(evaluate_one(p) for p in self.eval_problems[:num_prompts]))

@@ -4,9 +4,11 @@ A problem is a description and its tests: a list of independent test snippets (M
 ``test_list`` of asserts) or one block of test code (HumanEval's ``check``; then it is one test).
 The completion's code is the last fenced code block (```` ```python ... ``` ````; an unclosed block
 runs to the end), or the whole completion when it has none. It runs with the tests in one
-`sandbox.run` (separate process, time/memory/file/process limits, no network); after each test a
-harness line ``<nonce> <index> pass|fail`` reports the outcome. The nonce is drawn per run and never
-shown to the model, so code that prints fake results or exits early (``sys.exit(0)``) gains nothing.
+`sandbox.run` (separate process, time/memory/file/process limits, no network) under the harness
+of `llmrl.envs.code_harness`: the tests run in a checker process that the code cannot reach, calling
+the code's functions in a second process and comparing the plain values they return. Code that
+prints fake results, exits early, patches the runner or returns an object equal to everything
+gains nothing (docs/agents.md, "Code environment").
 
 Reward: the fraction of tests passed (``reward_mode: fraction``), or 1 only when all pass
 (``reward_mode: all``). Code that runs out of time keeps the tests it passed before.
@@ -14,8 +16,10 @@ Reward: the fraction of tests passed (``reward_mode: fraction``), or 1 only when
 
 from __future__ import annotations
 
+import json
 import re
-import secrets
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from llmrl.agents.base import Problem
@@ -37,31 +41,37 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def harness_program(solution: str, tests: list[str], setup: str, nonce: str) -> str:
-    """A program that runs `setup` and `solution`, then each test, reporting each outcome on stdout."""
-    # Every untrusted piece is embedded as a string literal (repr) and compiled separately, so a
-    # syntax error in one part cannot swallow the harness, and the solution's globals are its own.
-    return f"""import os as _os
-_namespace = {{"__name__": "__main__"}}
-try:
-    exec(compile({setup!r} + "\\n" + {solution!r}, "solution.py", "exec"), _namespace)
-except BaseException:
-    import traceback
-    traceback.print_exc()
-for _index, _test in enumerate({tests!r}):
-    try:
-        exec(compile(_test, "test_%d.py" % _index, "exec"), _namespace)
-        _outcome = "pass"
-    except BaseException:
-        _outcome = "fail"
-    _os.write(1, ("\\n{nonce} %d %s\\n" % (_index, _outcome)).encode())
-"""
+HARNESS = Path(__file__).with_name("code_harness.py").read_text(encoding="utf-8")
+"""The program each reward runs in the sandbox (`llmrl.envs.code_harness`)."""
 
 
-def passed_tests(stdout: str, nonce: str, num_tests: int) -> int:
-    """How many distinct tests the harness reported as passed."""
-    passed = {int(i) for i in re.findall(rf"^{nonce} (\d+) pass$", stdout, flags=re.MULTILINE)}
-    return len(passed & set(range(num_tests)))
+@dataclass(frozen=True)
+class HarnessReport:
+    """The outcome of one solution's tests."""
+
+    passed: list[bool]
+    """One entry per test, in order; a test the run did not reach (time limit) did not pass."""
+    sandbox: sandbox.SandboxResult
+
+
+def run_tests(
+    solution: str, tests: list[str], setup: str = "", *, timeout_s: float = 5.0, memory_mb: int = 512
+) -> HarnessReport:
+    """Run `setup`, then `solution`, then each test in the sandbox, behind the harness's two-process split.
+
+    Only the harness's checker process writes the report read here (``llmrl.envs.code_harness``).
+    """
+    job = json.dumps({"setup": setup, "solution": solution, "tests": tests})
+    result = sandbox.run(HARNESS, stdin=job, timeout_s=timeout_s, memory_mb=memory_mb)
+    passed = [False] * len(tests)
+    for line in result.stdout.splitlines():
+        try:
+            entry = json.loads(line)
+            if entry["passed"] is True and entry["test"] >= 0:
+                passed[entry["test"]] = True
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue  # a run killed mid-line
+    return HarnessReport(passed=passed, sandbox=result)
 
 
 class CodeAgent(DatasetAgent):
@@ -128,10 +138,10 @@ class CodeAgent(DatasetAgent):
 
     def reward(self, response: InferenceResponse, problem: Problem) -> float:
         tests = problem.answer["tests"]
-        nonce = secrets.token_hex(16)
-        program = harness_program(extract_code(response.text), tests, problem.answer["setup"], nonce)
-        result = sandbox.run(program, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
-        passed = passed_tests(result.stdout, nonce, len(tests))
+        run = run_tests(
+            extract_code(response.text), tests, problem.answer["setup"],
+            timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+        )  # fmt: skip
         if self.reward_mode == "all":
-            return float(passed == len(tests))
-        return passed / len(tests)
+            return float(all(run.passed))
+        return sum(run.passed) / len(tests)

@@ -241,18 +241,21 @@ def check_limits(*, timeout_s: float, memory_mb: int, max_processes: int = 1, ma
 def run(
     code: str,
     *,
+    stdin: str = "",
     timeout_s: float = 5.0,
     memory_mb: int = 512,
     max_processes: int = 32,
     max_file_mb: int = 16,
 ) -> SandboxResult:
-    """Run `code` as a Python program in the sandbox; never raises for anything the code does."""
+    """Run `code` as a Python program in the sandbox, `stdin` as its input; never raises for anything
+    the code does. The input is a file outside the code's folder, readable only through stdin."""
     check_limits(
         timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, max_file_mb=max_file_mb
     )
     return _execute(
         _launcher(),
         code,
+        stdin=stdin,
         timeout_s=timeout_s,
         memory_mb=memory_mb,
         max_processes=max_processes,
@@ -264,6 +267,7 @@ def _execute(
     launcher: _Launcher,
     code: str,
     *,
+    stdin: str = "",
     timeout_s: float,
     memory_mb: int,
     max_processes: int = 32,
@@ -289,14 +293,15 @@ def _execute(
             *map(str, limits),
         ]
         env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
-        out_path, err_path = Path(root, "stdout"), Path(root, "stderr")
+        in_path, out_path, err_path = Path(root, "stdin"), Path(root, "stdout"), Path(root, "stderr")
+        in_path.write_text(stdin, encoding="utf-8")
         start = time.monotonic()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        with open(in_path, "rb") as given, open(out_path, "wb") as out, open(err_path, "wb") as err:
             process = subprocess.Popen(
                 command,
                 cwd=work,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=given,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,

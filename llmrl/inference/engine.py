@@ -77,7 +77,7 @@ from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, list_tensor
 from llmrl.inference.interface import run_sync, running_loop
 from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, row_sampling, sample_tokens
-from llmrl.types import FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
+from llmrl.types import MAX_POLICY_VERSION, FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
 
 WeightUpdateMode = Literal["drain", "abort"]
 
@@ -265,8 +265,8 @@ class LocalEngine:
         serves whatever version it is given, so `reset` (see `InferenceInterface`) changes nothing.
         """
         del reset
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION:
+            raise ValueError(f"version must be an integer in 0..{MAX_POLICY_VERSION}, got {version!r}")
         state = state_dict_or_path if isinstance(state_dict_or_path, dict) else _read_state_dict(state_dict_or_path)
         self._check_state_dict(state)
         update = _WeightUpdate(state, version)
@@ -374,6 +374,11 @@ class LocalEngine:
                 raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
             if value.shape != own[key].shape:
                 raise ValueError(f"state_dict: {key!r} has shape {tuple(value.shape)}, the model {tuple(own[key].shape)}")
+            if value.is_floating_point() != own[key].is_floating_point():
+                raise ValueError(f"state_dict: {key!r} has dtype {value.dtype}, the model {own[key].dtype}")
+            # One pass over the tensor: a single NaN or Inf weight would make every request fail.
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"state_dict: {key!r} has non-finite values (NaN or Inf)")
 
     # -- driving the batch -----------------------------------------------------------------------
     #

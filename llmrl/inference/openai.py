@@ -12,6 +12,7 @@ such a server cannot be trained from. Weight sync (`update_weights`) speaks llmr
 Requests retry with exponential backoff on connection errors, timeouts, 408/429 and 5xx, never on
 other 4xx (the server's message is raised at once). At most `max_concurrent` requests are in flight
 per event loop; each loop gets its own HTTP client, since `generate` runs every call in a new loop.
+A request for more than `max_n` completions (the llmrl server's limit, 64) is sent in parts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import os
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Coroutine
@@ -31,6 +33,7 @@ import httpx
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.interface import run_blocking, run_sync
+from llmrl.seeding import derive_seed
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
 
 __all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
@@ -83,6 +86,7 @@ class OpenAIInterface:
         weight_sync_timeout_s: float = 300,
         weights_dir: str | Path | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_n: int = 64,
     ):
         """
         Args:
@@ -96,18 +100,21 @@ class OpenAIInterface:
             weights_dir: a folder this process and the server both read (a shared disk): weights are
                 written there and sent as a path. None: they are streamed in the request body.
             transport: the httpx transport of every client (tests pass an ASGI or mock transport).
+            max_n: most completions one request asks for (the llmrl server's default limit); a
+                larger `n` is sent as several requests, each with its own seed derived from the request's.
         """
         if not timeout_s > 0 or not weight_sync_timeout_s > 0:
             raise ValueError(f"timeouts must be > 0, got {timeout_s} and {weight_sync_timeout_s}")
-        if max_concurrent < 1 or max_retries < 0 or backoff_s < 0:
+        if max_concurrent < 1 or max_retries < 0 or backoff_s < 0 or max_n < 1:
             raise ValueError(
-                f"need max_concurrent >= 1, max_retries >= 0 and backoff_s >= 0, got "
-                f"{max_concurrent}, {max_retries} and {backoff_s}"
+                f"need max_concurrent >= 1, max_retries >= 0, backoff_s >= 0 and max_n >= 1, got "
+                f"{max_concurrent}, {max_retries}, {backoff_s} and {max_n}"
             )
         self.base_url = _normalise_base_url(base_url)
         self.model = model
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
+        self.max_n = max_n
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
@@ -119,6 +126,8 @@ class OpenAIInterface:
         )
         self._sessions_lock = threading.Lock()
         self._version = 0
+        self.unreachable_since: float | None = None
+        """When (`time.time()`) the requests began failing to reach the server; None while they reach it."""
         self._written_file: Path | None = None  # the last weights file we wrote into weights_dir
 
     @classmethod
@@ -158,6 +167,9 @@ class OpenAIInterface:
         """Sample `request.n` completions on the server, with their token ids and logprobs."""
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
+        if request.n > self.max_n:
+            parts = await asyncio.gather(*(self.agenerate(part) for part in _split(request, self.max_n)))
+            return [response for part in parts for response in part]
         chat = not isinstance(request.prompt, str)
         body = _request_body(request, await self._model_name())
         session = self._session()
@@ -280,8 +292,13 @@ class OpenAIInterface:
                 )
             except (httpx.TransportError, asyncio.TimeoutError) as exc:
                 failure, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
+                self.unreachable_since = self.unreachable_since or time.time()
                 continue
             status = response.status_code
+            if status < 500:  # it answered: reachable, even when it refuses
+                self.unreachable_since = None
+            elif self.unreachable_since is None:
+                self.unreachable_since = time.time()
             if status < 400:
                 try:
                     return response.json()
@@ -328,6 +345,17 @@ class OpenAIInterface:
             return await coroutine
         finally:
             await self.aclose()
+
+
+def _split(request: InferenceRequest, max_n: int) -> list[InferenceRequest]:
+    """`request` as requests of at most `max_n` completions; the first keeps the seed, the others derive theirs."""
+    parts = []
+    for index, start in enumerate(range(0, request.n, max_n)):
+        args = request.generation_args
+        if index and args.seed is not None:
+            args = args.model_copy(update={"seed": derive_seed(args.seed, "part", index)})
+        parts.append(request.model_copy(update={"n": min(max_n, request.n - start), "generation_args": args}))
+    return parts
 
 
 def _normalise_base_url(base_url: str) -> str:

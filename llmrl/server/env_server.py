@@ -8,7 +8,9 @@ environments call back to sample completions; the server scores them and returns
   file are imported then). A request chooses among them by `env_id` and never names agent types,
   plug-ins, import paths or code; every body is validated (unknown fields are errors).
 * Requests carry no secrets: the token for the inference server comes from the server's side
-  (``inference.api_key_env`` of its config).
+  (``inference.api_key_env`` of its config), and goes only to the allowed inference URLs
+  (``inference.base_url`` of the config and ``--inference-url``). When any are configured, a
+  request naming another URL is refused with 403, so the server cannot be sent to call elsewhere.
 * Calls that draw training problems from the same environment are served one at a time (an
   `asyncio.Lock` per environment), so the problem order depends only on the order of requests, and
   `GET /v1/state` / `POST /v1/state` save and restore it for an exact resume.
@@ -30,7 +32,7 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from llmrl.agents import Agent, WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, RunConfig, load_config
@@ -84,8 +86,8 @@ class InferenceEndpoint(BaseModel):
 class GroupRolloutsRequest(WireModel):
     """`num_groups` training problems, `group_size` scored samples each."""
 
-    num_groups: int = Field(ge=1, le=1024)
-    group_size: int = Field(ge=1, le=256)
+    num_groups: StrictInt = Field(ge=1, le=1024)
+    group_size: StrictInt = Field(ge=1, le=256)
     generation_args: GenerationArgs | None = None
     inference: InferenceEndpoint
     env_id: str | None = Field(
@@ -104,11 +106,11 @@ class GroupRolloutsResponse(WireModel):
 class EvaluateRequest(WireModel):
     """Held-out evaluation with pass@k, as `WeightedMultiTask.evaluate` does it."""
 
-    num_prompts: int = Field(ge=1, le=10_000)
-    samples_per_prompt: int = Field(1, ge=1, le=256)
-    ks: list[int] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
+    num_prompts: StrictInt = Field(ge=1, le=10_000)
+    samples_per_prompt: StrictInt = Field(1, ge=1, le=256)
+    ks: list[StrictInt] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
     greedy: bool = False
-    correct_threshold: float = 1.0
+    correct_threshold: float = Field(1.0, allow_inf_nan=False)
     generation_args: GenerationArgs | None = None
     inference: InferenceEndpoint
     env_id: str | None = Field(None, max_length=256, description="One environment; null evaluates all.")
@@ -298,11 +300,30 @@ def _count(agent: Agent, attribute: str) -> int | None:
 # The app
 
 
-class OpenAIEndpoints:
-    """The default inference factory: one `OpenAIInterface` per endpoint, reused by later requests to it."""
+def same_endpoint_url(url: str) -> str:
+    """The form two base URLs are compared in: scheme and host lower-cased, no trailing slash or ``/v1``."""
+    parts = urlsplit(url.strip())
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{path}"
 
-    def __init__(self, *, api_key: str | None = None, timeout_s: float = 120.0, max_concurrent: int = 64):
+
+class OpenAIEndpoints:
+    """The default inference factory: one `OpenAIInterface` per endpoint, reused by later requests to it.
+
+    `api_key` is sent only to the endpoints in `token_urls` (see `same_endpoint_url`).
+    """
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        token_urls: Sequence[str] = (),
+        timeout_s: float = 120.0,
+        max_concurrent: int = 64,
+    ):
         self.api_key = api_key
+        self.token_urls = frozenset(map(same_endpoint_url, token_urls))
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
         self.interfaces: dict[InferenceEndpoint, InferenceInterface] = {}
@@ -311,9 +332,10 @@ class OpenAIEndpoints:
         if endpoint not in self.interfaces:
             from llmrl.inference.openai import OpenAIInterface  # only servers that call an endpoint need it
 
+            allowed = same_endpoint_url(endpoint.base_url) in self.token_urls
             self.interfaces[endpoint] = OpenAIInterface(
                 endpoint.base_url,
-                api_key=self.api_key,
+                api_key=self.api_key if allowed else None,
                 model=endpoint.model,
                 timeout_s=self.timeout_s,
                 max_concurrent=self.max_concurrent,
@@ -334,6 +356,7 @@ def create_env_app(
     *,
     api_key: str | None = None,
     inference_api_key: str | None = None,
+    inference_urls: Sequence[str] = (),
     inference_factory: InferenceFactory | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
@@ -341,17 +364,27 @@ def create_env_app(
 
     Args:
         api_key: bearer token every request must carry (None: no auth; bind to loopback then).
-        inference_api_key: token the default factory sends to the inference endpoints requests name.
+        inference_api_key: token the default factory sends to the inference endpoints, only to
+            those in `inference_urls`.
+        inference_urls: the inference base URLs requests may name (the allowlist); empty: any URL,
+            and then no token may be configured.
         inference_factory: makes the interface a request's `inference` endpoint stands for
             (default: an `OpenAIInterface` per endpoint, with `config.inference` timeout and concurrency).
     """
+    allowed = [check_http_url(url) for url in inference_urls]
+    if inference_api_key is not None and not allowed:
+        raise ConfigError(
+            "an inference token is configured but no inference URL may receive it: set inference.base_url "
+            "or pass --inference-url (requests could otherwise send the token anywhere)"
+        )
     if inference_factory is None:
         inference_factory = OpenAIEndpoints(
             api_key=inference_api_key,
+            token_urls=allowed,
             timeout_s=config.inference.request_timeout_s,
             max_concurrent=config.inference.max_concurrent,
         )
-    service = EnvironmentService(config, inference_factory)
+    service = EnvironmentService(config, _allowlisted(inference_factory, allowed))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -394,6 +427,22 @@ def create_env_app(
     return secure_app(app, api_key=api_key, max_body_bytes=max_body_bytes)
 
 
+def _allowlisted(factory: InferenceFactory, urls: Sequence[str]) -> InferenceFactory:
+    """`factory`, refusing (403) endpoints outside `urls` when there are any."""
+    if not urls:
+        return factory
+    allowed = {same_endpoint_url(url) for url in urls}
+
+    def checked(endpoint: InferenceEndpoint) -> InferenceInterface:
+        if same_endpoint_url(endpoint.base_url) not in allowed:
+            raise RequestError(
+                403, f"inference.base_url: {endpoint.base_url!r} is not an inference URL this server may call"
+            )
+        return factory(endpoint)
+
+    return checked
+
+
 def _json(model: BaseModel) -> Response:
     # Serialised directly: FastAPI would validate a large batch of rollouts again on the way out.
     return Response(model.model_dump_json(), media_type="application/json")
@@ -406,11 +455,13 @@ def serve_env(
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
     overrides: list[str] | None = None,
+    inference_urls: Sequence[str] = (),
 ) -> None:
     """Serve the environments of the config file at `config_path` until interrupted.
 
     The token for the inference endpoints is read from the environment variable the config's
-    ``inference.api_key_env`` names.
+    ``inference.api_key_env`` names; requests may name only the config's ``inference.base_url`` and
+    `inference_urls` (any URL when there is none of them, and then no token).
     """
     config = load_config(config_path, overrides)
     inference_api_key = None
@@ -420,7 +471,8 @@ def serve_env(
             raise ConfigError(
                 f"inference.api_key_env: environment variable {config.inference.api_key_env} is not set"
             )
-    app = create_env_app(config, api_key=api_key, inference_api_key=inference_api_key)
+    allowed = [*([config.inference.base_url] if config.inference.base_url else []), *inference_urls]
+    app = create_env_app(config, api_key=api_key, inference_api_key=inference_api_key, inference_urls=allowed)
     log.info("serving environments %s on http://%s:%d", [e.name for e in config.environments], host, port)
     run_server(app, host, port)
 

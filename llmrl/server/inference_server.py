@@ -30,13 +30,13 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from safetensors import SafetensorError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmrl.inference.engine import LocalEngine
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
-from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest, InferenceResponse
+from llmrl.types import MAX_POLICY_VERSION, ChatMessage, GenerationArgs, InferenceRequest, InferenceResponse
 
 MIB = 1024**2
 GIB = 1024**3
@@ -69,18 +69,18 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="Echoed in the response; this server serves one model.")
-    n: int = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="Extension; 0 or -1 (vLLM's spelling) turn top-k off.")
-    max_tokens: int | None = Field(None, ge=1)
+    n: StrictInt = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=-1, description="Extension; 0 or -1 (vLLM's spelling) turn top-k off.")
+    max_tokens: StrictInt | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: bool | int | None = Field(
+    seed: StrictInt | None = None
+    logprobs: StrictBool | StrictInt | None = Field(
         None, description="True or an int (completions' top count) adds OpenAI logprobs."
     )
-    stop_token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    prompt_token_ids: list[StrictInt] | None = None
 
     def completion_limit(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
@@ -108,7 +108,7 @@ class _Message(BaseModel):
 
 class ChatBody(_GenerationFields):
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
 
     def completion_limit(self) -> int:
         return self.max_completion_tokens or super().completion_limit()
@@ -119,7 +119,7 @@ class WeightsByPath(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_POLICY_VERSION, strict=True)
     path: str = Field(min_length=1)
     reset: bool = False
     """Serve these weights even if `version` is not newer (a trainer starting or resuming a run)."""
@@ -129,13 +129,12 @@ class _InferenceServer:
     """The routes' state and logic; `create_inference_app` wires them to two FastAPI apps."""
 
     def __init__(
-        self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int, max_body_bytes: int
+        self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int
     ):
         self.engine = engine
         self.model_name = model_name
         self.weights_dir = weights_dir
         self.max_n = max_n
-        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._weights_lock = threading.Lock()  # one update at a time: version check and load are one step
 
@@ -232,10 +231,15 @@ class _InferenceServer:
                 return early
             upload = await _receive_to_file(request)
             try:
+                _refuse_pickles(upload)
                 return await asyncio.to_thread(self._apply_weights, upload, version, reset)
             finally:
                 upload.unlink(missing_ok=True)
-        body = await self._read_json(request)
+        if content_type not in ("", "application/json"):
+            raise RequestRefused(
+                415, "Content-Type: application/json (a path) or application/octet-stream (safetensors bytes)"
+            )
+        body = await request.body()  # JSON: `secure_app` bounded it by max_body_bytes and checked it
         try:
             update = WeightsByPath.model_validate_json(body)
         except ValidationError as exc:
@@ -282,20 +286,8 @@ class _InferenceServer:
             raise RequestRefused(403, f"path: {requested!r} is not inside the server's weights folder")
         if not path.exists():
             raise RequestRefused(400, f"path: {requested!r} does not exist in the server's weights folder")
+        _refuse_pickles(path)
         return path
-
-    async def _read_json(self, request: Request) -> bytes:
-        """The body, at most `max_body_bytes` (this route's own limit is the much larger weights limit)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise RequestRefused(413, f"request body over the limit of {self.max_body_bytes} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise RequestRefused(413, f"request body over the limit of {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -327,11 +319,32 @@ def _validation_message(exc: ValidationError) -> str:
 
 def _query_version(request: Request) -> int:
     raw = request.query_params.get("version", "")
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_POLICY_VERSION:
         raise RequestRefused(
-            422, "query.version: an integer >= 0 is required with streamed weights (?version=N)"
+            422, f"query.version: an integer in 0..{MAX_POLICY_VERSION} is required with streamed weights (?version=N)"
         )
     return int(raw)
+
+
+def _refuse_pickles(path: Path) -> None:
+    """Only safetensors are loaded: a pickle (``torch.save``, ``.pt``/``.bin``) can run code when read."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise RequestRefused(400, f"weights: {path.name} holds no .safetensors files (pickles are refused)")
+    for file in files:
+        if file.suffix != ".safetensors" or not _shaped_like_safetensors(file):
+            raise RequestRefused(
+                400, f"weights: {file.name} is not a safetensors file (pickles from torch.save are refused)"
+            )
+
+
+def _shaped_like_safetensors(path: Path) -> bool:
+    """An 8-byte little-endian header length that fits the file, then the header's JSON object."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    if len(head) < 9:
+        return False
+    return head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= path.stat().st_size
 
 
 async def _receive_to_file(request: Request) -> Path:
@@ -386,9 +399,11 @@ def create_inference_app(
         folder = Path(weights_dir).resolve()
         if not folder.is_dir():
             raise ValueError(f"weights_dir: {weights_dir} is not a folder")
-    server = _InferenceServer(engine, model_name, folder, max_n, max_body_bytes)
+    server = _InferenceServer(engine, model_name, folder, max_n)
     app = secure_app(FastAPI(title="llmrl inference"), api_key=api_key, max_body_bytes=max_body_bytes)
-    weights_app = secure_app(FastAPI(), api_key=api_key, max_body_bytes=max_weights_bytes)
+    weights_app = secure_app(
+        FastAPI(), api_key=api_key, max_body_bytes=max_weights_bytes, max_json_bytes=max_body_bytes
+    )
     for target in (app, weights_app):
         target.add_exception_handler(RequestRefused, _refused)
 

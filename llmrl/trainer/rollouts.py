@@ -7,12 +7,18 @@ advantages and picks the rollouts that reach the loss:
 - with `mask_truncated`, completions cut off by max_tokens keep their place in the statistics
   but get no gradient (DAPO overlong filtering);
 - the loss denominator counts every rollout that reaches the loss (see `RolloutBatch.normalizer`).
+
+`RolloutPipeline` refuses a batch in which too many rollouts failed in inference
+(`inference_failure`): such a batch says more about a dead server than about the policy, so it is
+neither banked nor trained on; `InferenceUnavailableError` stops the run, and a rerun regenerates it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import datetime
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from llmrl.agents.base import failed_in_inference
 from llmrl.algorithms.advantages import group_advantages
 from llmrl.algorithms.losses import loss_normalizer
 from llmrl.algorithms.shaping import soft_overlong_penalty
@@ -29,6 +36,43 @@ from llmrl.config import AlgorithmConfig
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.trainer.bank import BankedBatch, RolloutBank
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
+
+
+class InferenceUnavailableError(RuntimeError):
+    """A batch was refused because too many of its rollouts failed in inference; rerunning resumes."""
+
+
+def unavailable_line(inference: Any, detail: str, started: float) -> str:
+    """The one line a run stops with: the server and since when (when the interface knows them)."""
+    url = getattr(inference, "base_url", None)
+    since = getattr(inference, "unreachable_since", None)
+    if url is not None and since is not None:
+        problem = f"inference server at {url} unreachable since {_local_time(since)}"
+    else:
+        problem = f"inference failing since {_local_time(started)}"
+    return f"{problem} ({detail}); nothing from it was trained on or kept; rerun the same command to resume"
+
+
+def _local_time(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
+
+
+def inference_failure(groups: Sequence[RolloutGroup], max_frac: float | None) -> str | None:
+    """Why `groups` must not be trained on, or None when they may.
+
+    Refused: more than `max_frac` of the rollouts failed in inference, or, with `max_frac` None,
+    every rollout of some group did.
+    """
+    failed = [[failed_in_inference(r) for r in group.rollouts] for group in groups]
+    count, total = sum(map(sum, failed)), sum(map(len, failed))
+    if max_frac is None:
+        refused = any(all(group) for group in failed)
+    else:
+        refused = count > max_frac * total
+    if not refused:
+        return None
+    reason = next(r.failure_reason for g in groups for r in g.rollouts if failed_in_inference(r))
+    return f"{count} of {total} rollouts failed in inference ({reason})"
 
 
 @dataclass
@@ -147,6 +191,7 @@ class RolloutPipeline:
         lag: int,
         last_step: int,
         bank: RolloutBank,
+        max_inference_failure_frac: float | None = None,
     ):
         self.agents = agents
         self.inference = inference
@@ -156,6 +201,8 @@ class RolloutPipeline:
         self.lag = lag
         self.last_step = last_step
         self.bank = bank
+        self.max_inference_failure_frac = max_inference_failure_frac
+        self._refused: InferenceUnavailableError | None = None  # later batches are not drawn after one
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-rollouts")
         self._batches: dict[int, Future[list[RolloutGroup]] | None] = {}  # None: not drawn yet (lag 0)
         self._state_after: dict[int, dict[str, Any]] = {}  # agents' state right after drawing batch t
@@ -184,10 +231,16 @@ class RolloutPipeline:
         return self._draw(step) if batch is None else batch.result()
 
     def wait_ahead(self) -> None:
-        """Wait until every submitted batch is complete (before the weights they use change)."""
+        """Wait until every submitted batch is complete (before the weights they use change).
+
+        A refused batch is raised here, before the step now training can be checkpointed: its
+        rerun must start from weights no newer than those the refused batch is to be generated with.
+        """
         for future in list(self._batches.values()):
             if future is not None:
-                future.exception()  # waits; a failure is raised by `get`
+                future.exception()  # waits; other failures are raised by `get`
+        if self._refused is not None:
+            raise self._refused
 
     def submit_ahead(self, trained_step: int) -> None:
         """Submit the batches the weights of `trained_step` (now served) are to generate."""
@@ -216,9 +269,18 @@ class RolloutPipeline:
         self._worker.shutdown(wait=True)
 
     def _draw(self, step: int) -> list[RolloutGroup]:
+        if self._refused is not None:  # drawn after a refused batch, this one would follow the wrong problems
+            raise self._refused
+        started = time.time()
         groups = run_in_new_loop(
             self.agents.group_rollouts(self.inference, self.num_groups, self.group_size, self.generation_args(step))
         )
+        failure = inference_failure(groups, self.max_inference_failure_frac)
+        if failure is not None:
+            self._refused = InferenceUnavailableError(
+                unavailable_line(self.inference, f"batch of step {step}: {failure}", started)
+            )
+            raise self._refused
         state = self.agents.state_dict()
         self.bank.append(BankedBatch(step=step, groups=groups, agent_state=state))
         self._state_after[step] = state

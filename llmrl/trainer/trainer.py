@@ -50,7 +50,14 @@ from llmrl.trainer.distributed import Distributed, tied_duplicates
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
-from llmrl.trainer.rollouts import RolloutPipeline, prepare_batch, rollout_metrics, staleness_metrics
+from llmrl.trainer.rollouts import (
+    InferenceUnavailableError,
+    RolloutPipeline,
+    prepare_batch,
+    rollout_metrics,
+    staleness_metrics,
+    unavailable_line,
+)
 from llmrl.types import GenerationArgs
 
 # Fields that may change between a run and its resumption without changing what it trains.
@@ -212,7 +219,7 @@ class Trainer:
         return RolloutPipeline(
             self.agents, self.inference, num_groups=training.prompts_per_step, group_size=training.group_size,
             generation_args=generation_args, lag=training.generation_lag, last_step=training.steps,
-            bank=RolloutBank(self.run_dir),
+            bank=RolloutBank(self.run_dir), max_inference_failure_frac=training.max_inference_failure_frac,
         )  # fmt: skip
 
     def _train_step(self, step: int) -> dict[str, float]:
@@ -251,7 +258,14 @@ class Trainer:
         else:
             weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
         if self.is_main:
-            self.inference.update_weights(self._untied(weights), version=version, reset=reset)
+            started = time.time()
+            try:
+                self.inference.update_weights(self._untied(weights), version=version, reset=reset)
+            except Exception as exc:
+                if getattr(self.inference, "unreachable_since", None) is None:
+                    raise
+                detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
+                raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
 
     def _untied(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`weights` without the names that alias another entry (tied embeddings)."""

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from llmrl.config import load_config
 from llmrl.logging import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
+from llmrl.trainer.bank import RolloutBank
+from llmrl.trainer.rollouts import InferenceUnavailableError
 
 pytestmark = pytest.mark.slow
 
@@ -204,3 +206,50 @@ def test_ctrl_c_saves_the_last_finished_step(tmp_path, tiny_model_path):
     saved = [int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")]
     assert len(saved) == 1 and saved[0] >= 2
     assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]
+
+
+class DyingServer:
+    """The run's inference, failing like an unreachable server from its `alive_calls`-th generation on."""
+
+    def __init__(self, inference, alive_calls: int):
+        self.inference = inference
+        self.alive_calls = alive_calls
+        self.base_url = "http://10.0.0.7:8000/v1"
+        self.unreachable_since: float | None = None
+
+    async def agenerate(self, request):
+        self.alive_calls -= 1
+        if self.alive_calls < 0:
+            self.unreachable_since = self.unreachable_since or time.time()
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        return await self.inference.agenerate(request)
+
+    def update_weights(self, *args, **kwargs):
+        return self.inference.update_weights(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_batch_from_a_dead_server_is_never_trained_on_and_a_rerun_matches(tmp_path, tiny_model_path, lag):
+    overrides = ["training.steps=4", "checkpoint.every=1", "evaluation.at_start=false", "evaluation.at_end=false",
+                 "evaluation.every=0", "training.lr=1e-4", f"training.generation_lag={lag}"]  # fmt: skip
+    train(tmp_path / "whole", *overrides)
+
+    run_dir = tmp_path / "interrupted"
+    config = load_config(None, [f"run_dir={run_dir}", *QUICK, *overrides])
+    trainer = Trainer(config, progress_stream=open(os.devnull, "w"))  # noqa: SIM115
+    trainer.inference = DyingServer(trainer.inference, alive_calls=2 * 8)  # dies generating step 3's batch
+    with pytest.raises(InferenceUnavailableError) as stop:
+        trainer.run()
+    assert str(stop.value).startswith("inference server at http://10.0.0.7:8000/v1 unreachable since ")
+    assert "batch of step 3: 64 of 64 rollouts failed in inference" in str(stop.value)
+    assert "rerun the same command to resume" in str(stop.value) and "\n" not in str(stop.value)
+    # With a lag, step 3's batch is generated with step 1's weights: the run stops before step 2 is
+    # checkpointed, so that a rerun still has them; step 2's batch stays in the bank.
+    trained = [1, 2] if lag == 0 else [1]
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == trained
+    assert [b.step for b in RolloutBank(run_dir).read()] == ([] if lag == 0 else [2])
+
+    train(run_dir, *overrides)
+    expected, actual = final_weights(tmp_path / "whole"), final_weights(run_dir)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name

@@ -74,6 +74,7 @@ def test_evaluate_all_environments_or_one():
         "pass@1": 0.5,
         "pass@2": 1.0,
         "greedy_accuracy": 1.0,
+        "failed_samples": 0.0,
     }
     one = call(app, "POST", "/v1/evaluate", json=evaluate_body(env_id="add2", num_prompts=2)).json()[
         "results"
@@ -263,3 +264,26 @@ def test_main_reports_config_errors_and_exits_2(tmp_path, capsys, monkeypatch):
         == 2
     )
     assert "unknown agent type 'os.system'" in capsys.readouterr().err
+
+
+def test_the_inference_token_goes_only_to_allowlisted_urls():
+    factory = env_server.OpenAIEndpoints(api_key="tok", token_urls=["http://Inference.test:80/v1/"], timeout_s=5)
+    assert factory(env_server.InferenceEndpoint(base_url="http://inference.test:80"))._api_key == "tok"
+    for elsewhere in ("http://attacker.test/v1", "https://inference.test:80/v1", "http://inference.test:81/v1"):
+        assert factory(env_server.InferenceEndpoint(base_url=elsewhere))._api_key is None, elsewhere
+
+
+def test_requests_naming_an_inference_url_off_the_allowlist_are_refused():
+    factory = RecordingFactory()
+    app = make_app(factory=factory, inference_urls=[INFERENCE_URL])
+    elsewhere = {"base_url": "http://attacker.test/v1"}
+    for path, body in (("/v1/group_rollouts", rollouts_body()), ("/v1/evaluate", evaluate_body())):
+        answer = call(app, "POST", path, json={**body, "inference": elsewhere})
+        assert answer.status_code == 403 and "attacker.test" in answer.json()["error"]["message"]
+    assert factory.endpoints == []  # never asked for an interface to the attacker's URL
+    assert call(app, "POST", "/v1/group_rollouts", json=rollouts_body()).status_code == 200
+
+
+def test_a_token_without_allowed_urls_is_a_config_error():
+    with pytest.raises(env_server.ConfigError, match="no inference URL may receive it"):
+        env_server.create_env_app(make_config(), inference_api_key="tok")

@@ -42,7 +42,7 @@ def fenced(code):
         (fenced("def add(a, b) return a + b"), 0.0),  # syntax error
         (fenced("import sys\nsys.exit(0)"), 0.0),  # exiting early does not pass the tests
         (fenced("import os\nos._exit(0)"), 0.0),
-        (fenced("print('\\n0000 0 pass\\n0000 1 pass\\n0000 2 pass')"), 0.0),  # forged reports lack the nonce
+        (fenced("print('\\n0000 0 pass\\n0000 1 pass\\n0000 2 pass')"), 0.0),  # printed text never reaches the report
         (
             fenced("def add(a, b):\n    while a == 10:\n        pass\n    return a + b"),
             2 / 3,

@@ -397,3 +397,39 @@ def test_bad_tensors_are_refused_and_the_old_weights_keep_serving(weights_server
     )
     answer = client.post("/v1/completions", json={"prompt": "1 + 1 =", "max_tokens": 2})
     assert answer.status_code == 200 and answer.json()["policy_version"] == 0
+
+
+def test_weights_are_checked_before_they_serve(weights_server):
+    """NaN/Inf, integer or boolean tensors, huge versions and pickles get 4xx naming what is wrong."""
+    import io
+
+    client, engine, folder = weights_server
+    before = copy.deepcopy(engine.model.state_dict())
+    norm = next(k for k in before if "norm" in k)
+    bad_values = {
+        "nan": before[norm].clone().index_fill_(0, torch.tensor([1]), float("nan")),
+        "inf": before[norm].clone().index_fill_(0, torch.tensor([0]), float("-inf")),
+        "int64": torch.ones_like(before[norm], dtype=torch.int64),
+        "bool": torch.ones_like(before[norm], dtype=torch.bool),
+    }
+    for kind, value in bad_values.items():
+        answer = client.post("/v1/weights?version=1", content=save({norm: value}), headers=OCTETS)
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 400 and norm in message, (kind, message)
+        assert ("non-finite" in message) if kind in ("nan", "inf") else (kind in message)
+    for version in (str(2**70), "-1", "1e3", "٣"):
+        answer = client.post(f"/v1/weights?version={version}", content=save({norm: before[norm]}), headers=OCTETS)
+        assert answer.status_code == 422 and "query.version" in answer.json()["error"]["message"]
+    save_file({norm: before[norm]}, str(folder / "ok.safetensors"))
+    huge = client.post("/v1/weights", json={"version": 2**70, "path": "ok.safetensors"})
+    assert huge.status_code == 422 and "body.version" in huge.json()["error"]["message"]
+    pickled = io.BytesIO()
+    torch.save({norm: before[norm]}, pickled)
+    streamed = client.post("/v1/weights?version=1", content=pickled.getvalue(), headers=OCTETS)
+    assert streamed.status_code == 400 and "not a safetensors file" in streamed.json()["error"]["message"]
+    (folder / "policy.pt").write_bytes(pickled.getvalue())
+    by_path = client.post("/v1/weights", json={"version": 1, "path": "policy.pt"})
+    assert by_path.status_code == 400 and "policy.pt is not a safetensors file" in by_path.json()["error"]["message"]
+    assert engine.policy_version == 0 and all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    answer = client.post("/v1/completions", json={"prompt": "1 + 1 =", "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["policy_version"] == 0

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from llmrl.envs import sandbox
-from llmrl.envs.code import harness_program, passed_tests
+from llmrl.envs.code import run_tests
 
 
 def leftover_processes():
@@ -41,11 +41,8 @@ def assert_unharmed():
 
 def escape_reward(solution, test, *, timeout_s=1.0, memory_mb=256):
     """Reward of `solution` against the single `test` (1 means the escape succeeded), and the run."""
-    nonce = "0" * 32
-    result = sandbox.run(
-        harness_program(solution, [test], "", nonce), timeout_s=timeout_s, memory_mb=memory_mb
-    )
-    return passed_tests(result.stdout, nonce, 1), result
+    run = run_tests(solution, [test], timeout_s=timeout_s, memory_mb=memory_mb)
+    return sum(run.passed), run.sandbox
 
 
 def test_isolation_layers_on_this_machine():
