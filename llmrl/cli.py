@@ -23,6 +23,7 @@ from pathlib import Path
 
 from llmrl.config import RunConfig, dump_config, load_config
 
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 EXIT_TRY_AGAIN = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command may succeed later
@@ -262,6 +263,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"llmrl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RuntimeError as exc:  # inference servers that would not start or take weights: their message says why
+        if not _is_inference_failure(exc):
+            raise
+        print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _is_inference_failure(exc: BaseException) -> bool:
+    from llmrl.inference.openai import WeightSyncError
+    from llmrl.inference.vllm import VLLMStartError
+
+    return isinstance(exc, (WeightSyncError, VLLMStartError))
 
 
 if __name__ == "__main__":
