@@ -127,6 +127,9 @@ class _RolloutBase(WireModel):
     """Fields every rollout carries, whatever form its trajectory takes."""
 
     reward: float = 0.0
+    reward_components: dict[str, float] = Field(
+        default_factory=dict, description="Named parts of the reward (reward functions' values), logged per environment."
+    )
     env_id: str = Field(min_length=1)
     problem_id: str = Field(min_length=1)
     status: RolloutStatus = "ok"
@@ -140,6 +143,14 @@ class _RolloutBase(WireModel):
         if not math.isfinite(reward):
             raise ValueError(f"reward must be a finite number, got {reward}")
         return reward
+
+    @field_validator("reward_components")
+    @classmethod
+    def _components_finite(cls, components: dict[str, float]) -> dict[str, float]:
+        bad = {name: value for name, value in components.items() if not math.isfinite(value)}
+        if bad:
+            raise ValueError(f"reward components must be finite numbers, got {bad}")
+        return components
 
     @property
     def is_valid(self) -> bool:

@@ -44,6 +44,7 @@ from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, 
 from llmrl.agents.sampler import EpochSampler
 from llmrl.inference.interface import InferenceInterface
 from llmrl.logging import trace_span
+from llmrl.rewards.functions import Reward
 from llmrl.types import (
     ChatMessage,
     EvaluationResponse,
@@ -201,8 +202,8 @@ class RewardOnlyAgent(Agent):
         return None
 
     @abstractmethod
-    def reward(self, response: InferenceResponse, problem: Problem) -> float:
-        """Score of the episode's last model turn."""
+    def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
+        """Score of the episode's last model turn (a `Reward` also names its parts, for the logs)."""
 
     def observe(self, turn: int, response: InferenceResponse, problem: Problem) -> str | None:
         """The user's reply to model turn `turn` (0-based), or None to end the episode."""
@@ -403,6 +404,8 @@ class RewardOnlyAgent(Agent):
                 stage = "observe"
             stage = "reward"
             reward = await self._call_env(self.reward, response, problem)
+            if isinstance(reward, Reward):
+                return trajectory.rollout(self.env_id, reward.value, reward.components)
             return trajectory.rollout(self.env_id, float(reward))
         except Exception as exc:
             reason = self._record_failure(stage, problem, exc, count=1)
@@ -479,13 +482,14 @@ class _Trajectory:
         self._add(response.prompt_token_ids[len(prefix) :], False, None, message)
         self._add_completion(response)
 
-    def rollout(self, env_id: str, reward: float) -> TokenRollout:
+    def rollout(self, env_id: str, reward: float, components: dict[str, float] | None = None) -> TokenRollout:
         return TokenRollout(
             trajectory=self.segments,
             generation_mask=self.masks,
             logprobs=self.logprobs,
             text=self.texts,
             reward=reward,
+            reward_components=components or {},
             env_id=env_id,
             problem_id=self.problem.id,
             truncated=self.last.finish_reason == "length",

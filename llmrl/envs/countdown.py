@@ -23,7 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from llmrl.agents.base import Problem, make_prompt
-from llmrl.agents.dataset import last_tagged
+from llmrl.rewards.answers import last_tagged
 from llmrl.agents.reward_only import RewardOnlyAgent
 from llmrl.types import InferenceResponse
 
