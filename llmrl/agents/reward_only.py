@@ -377,7 +377,7 @@ class RewardOnlyAgent(Agent):
         args: GenerationArgs,
     ) -> TokenRollout:
         """Continue the episode from its first model turn (multi-turn), then score it."""
-        trajectory = _Trajectory(problem, response)
+        trajectory = _Trajectory(problem, response, args)
         stage = "observe"
         try:
             for turn in range(self.max_turns - 1):
@@ -445,8 +445,9 @@ class RewardOnlyAgent(Agent):
 class _Trajectory:
     """Token segments of one episode: prompt, model turn, user turn, model turn, ..."""
 
-    def __init__(self, problem: Problem, first: InferenceResponse):
+    def __init__(self, problem: Problem, first: InferenceResponse, args: GenerationArgs):
         self.problem = problem
+        self.args = args
         self.segments: list[list[int]] = [list(first.prompt_token_ids)]
         self.masks: list[list[bool]] = [[False] * len(first.prompt_token_ids)]
         self.logprobs: list[list[float]] | None = [[0.0] * len(first.prompt_token_ids)]
@@ -487,6 +488,7 @@ class _Trajectory:
             trajectory=self.segments,
             generation_mask=self.masks,
             logprobs=self.logprobs,
+            generation_args=self.args,
             text=self.texts,
             reward=reward,
             reward_components=components or {},

@@ -24,7 +24,7 @@ from llmrl.trainer.optimization import (
     lr_factor,
 )
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
-from llmrl.types import RolloutGroup, TokenRollout
+from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 VOCAB = 48
 
@@ -67,7 +67,7 @@ def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None):
     policy = tiny_policy(seed)
     # Plain SGD: Adam's first step is about lr * sign(gradient), which would magnify rounding noise.
     optimizer = torch.optim.SGD(policy.parameters(), lr=training.lr)
-    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, temperature=1.0,
+    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(),
                           max_tokens=8, pad_token_id=0, reference=tiny_policy(seed + 1) if algorithm.kl_beta else None)
     if skip is not None:
         update.skip_zero_advantage = skip
@@ -160,7 +160,7 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     groups = random_groups(6, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
     training = TrainingConfig(micro_batch_tokens=40, pack_row_tokens=10)
-    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, temperature=1.0,
+    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, generation_args=GenerationArgs(),
                           max_tokens=8, pad_token_id=0)
     packed = list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
     longest = max(len(s) for s in batch.sequences)
@@ -188,7 +188,7 @@ def test_models_with_sliding_window_attention_never_share_prefixes():
     groups = random_groups(3, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
     def layouts(policy):
-        update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(), temperature=1.0,
+        update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(), generation_args=GenerationArgs(),
                               max_tokens=8, pad_token_id=0)
         return list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
 
