@@ -64,7 +64,7 @@ class InferenceConfig(Section):
     weight_sync_timeout_s: float = Field(300.0, gt=0)
     """Longest a weight sync to an inference server may take before the run stops with an error."""
     generation: GenerationArgs = Field(default_factory=lambda: GenerationArgs(max_tokens=16))
-    """Sampling parameters for training rollouts (temperature also sets the trainer's logprobs)."""
+    """Sampling parameters of rollouts; an environment's `agent_args.generation_args` override them. The trainer takes its logprobs with each rollout's own options (temperature, min_p, top_k, top_p); repetition/presence penalties and min_tokens are for evaluation-only environments."""
 
 
 class EnvironmentConfig(Section):
@@ -271,6 +271,8 @@ class RunConfig(Section):
                 f"inference.generation.max_tokens={self.inference.generation.max_tokens} completion tokens "
                 "plus its prompt; raise it"
             )
+        for index, env in enumerate(self.environments):
+            self._check_trainable_sampling(index, env)
         too_big = [k for k in self.evaluation.ks if k > self.evaluation.samples_per_prompt or k < 1]
         if too_big:
             raise ValueError(
@@ -278,6 +280,25 @@ class RunConfig(Section):
                 f"({self.evaluation.samples_per_prompt}), got {too_big}"
             )
         return self
+
+
+    def _check_trainable_sampling(self, index: int, env: EnvironmentConfig) -> None:
+        """A trained environment's sampling options must be ones the trainer's logprobs can follow."""
+        own = env.agent_args.get("generation_args")
+        if env.evaluation_only or env.weight == 0 or not isinstance(own, dict | None):
+            return
+        try:
+            args = self.inference.generation.merge(own)
+        except ValidationError:
+            return  # the agent reports its own bad generation_args, naming the field
+        where = f"environments[{index}] ({env.name})"
+        if args.temperature == 0:
+            raise ValueError(f"{where}: temperature 0 (greedy) leaves no distribution to train on")
+        if args.untrainable_options:
+            raise ValueError(
+                f"{where}: {args.untrainable_options} change the sampled distribution in ways the trainer "
+                "cannot reproduce in its logprobs; use them only with evaluation_only: true"
+            )
 
 
 def demo_config() -> RunConfig:
