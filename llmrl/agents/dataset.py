@@ -226,6 +226,11 @@ class DatasetAgent(RewardOnlyAgent):
                     f"prompt_template {self.prompt_template!r} cannot be filled ({type(exc).__name__}: {exc}); "
                     f"it may use {{prompt}} and the columns {columns}"
                 ) from None
+        elif not isinstance(first := self.value(rows[0], self.prompt_column), list) or not first:
+            raise ValueError(
+                f"{source}: prompt_column={self.prompt_column!r} holds {_shown(first)}; the {self.layout} layout "
+                "needs a non-empty list of {role, content} messages"
+            )
         elif self.prompt_template != "{prompt}" or not self.chat:
             raise ValueError(
                 f"{source}: the prompts are chat messages ({self.layout} layout), sent as they are; "
@@ -248,14 +253,12 @@ class DatasetAgent(RewardOnlyAgent):
             return make_prompt(text, system_prompt=self.system_prompt, chat=self.chat)
         raw = self.value(row, self.prompt_column)
         try:
-            if not isinstance(raw, list) or not raw:
-                raise ValueError(f"expected a non-empty list of messages, found {_shown(raw)}")
             messages = [ChatMessage.model_validate(message) for message in raw]
-        except (ValidationError, ValueError) as exc:
-            problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        except ValidationError as exc:
+            error = exc.errors()[0]
             raise ValueError(
-                f"{source}: row {index}, column {self.prompt_column!r}: not chat messages ({problem}); found "
-                f"{_shown(raw)}"
+                f"{source}: row {index}, column {self.prompt_column!r}: not chat messages "
+                f"({'.'.join(map(str, error['loc']))}: {error['msg']}); found {_shown(raw)}"
             ) from None
         if self.system_prompt and not any(m.role == "system" for m in messages):
             messages.insert(0, ChatMessage(role="system", content=self.system_prompt))
