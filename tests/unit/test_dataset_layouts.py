@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
 import pandas
 import pytest
+import torch
 from scripted_inference import ScriptedInference
 
 from llmrl import registry
@@ -33,7 +35,7 @@ def fixture_plugins(monkeypatch):
 
 def answer_sums(prompt, i):
     """Replies with the right sum to even samples and a wrong one to odd ones."""
-    a, b = (int(x) for x in prompt.split("What is ")[1].rstrip("?\n<assistant>").split(" + "))
+    a, b = (int(x) for x in re.search(r"What is (\d+) \+ (\d+)\?", prompt).groups())
     return str(a + b + i % 2)
 
 
@@ -84,7 +86,7 @@ def test_trl_reward_functions_from_a_plugin_with_weights_and_per_function_metric
     assert [r.reward for r in scored] == [1.1, 0.1] * 4
     assert scored[0].reward_components == {"correct_sum": 1.0, "short_reply": 1.0}
     groups = asyncio.run(agent.group_rollouts(ScriptedInference(answer_sums), 4, 2))
-    metrics = rollout_metrics(groups, __import__("torch").zeros(8), correct_threshold=1.0)
+    metrics = rollout_metrics(groups, torch.zeros(8), correct_threshold=1.0)
     assert metrics["reward/sums/correct_sum"] == 0.5 and metrics["reward/sums/short_reply"] == 1.0
 
 
