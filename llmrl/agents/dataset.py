@@ -156,6 +156,8 @@ class DatasetAgent(RewardOnlyAgent):
         if not functions and self.layout == "verl":
             functions = [RewardFunction(default_compute_score, name="score", style="verl")]
         self.reward_functions = functions
+        # Functions written for TRL may use math-verify's signal-based timeouts, which need the main thread.
+        self.main_thread_rewards = bool(functions)
         self.answer_column = answer_column or _DEFAULT_ANSWER_COLUMN[self.layout]
         if answer_column is None and functions and not _has_column(self._rows[0], self.answer_column):
             self.answer_column = None  # reward functions that need no answer, on data without the default one

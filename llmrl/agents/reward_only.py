@@ -20,7 +20,9 @@ to stop. Everything else is done here:
 
 Rewards and observations run in their own threads (`reward_concurrency` at a time) under
 `reward_timeout_s`; a function that never returns leaks its thread but not the run. Coroutine
-functions are awaited directly.
+functions are awaited directly. An agent with `main_thread_rewards` set scores on the event loop's
+thread instead when that is the main thread: code with signal-based timeouts (math-verify's, in
+reward functions written for TRL) only works there; such calls have no `reward_timeout_s`.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
 
 class RewardOnlyAgent(Agent):
     """Base of environments defined by a problem list and a reward (optionally multi-turn)."""
+
+    main_thread_rewards: bool = False
+    """Call `reward` on the event loop's thread when it is the main thread (see the module docstring)."""
 
     def __init__(
         self,
@@ -421,6 +426,8 @@ class RewardOnlyAgent(Agent):
     async def _call_env(self, fn: Callable[..., Any], *args: Any) -> Any:
         async with self._reward_slots():
             with trace_span(fn.__name__, env=self.env_id):
+                if self.main_thread_rewards and fn == self.reward and threading.current_thread() is threading.main_thread():
+                    return fn(*args)
                 call = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)
 

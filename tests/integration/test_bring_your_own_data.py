@@ -20,7 +20,7 @@ from llmrl.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "layouts"
-EVALUATION = {"every": 0, "num_prompts": 64, "samples_per_prompt": 4, "ks": [1, 4]}
+EVALUATION = {"every": 0, "num_prompts": 64, "samples_per_prompt": 8, "ks": [1], "greedy": False}
 LOGGING = {"progress": "off", "tensorboard": False, "trace": False}
 
 
@@ -55,9 +55,10 @@ def test_held_out_accuracy_rises_on_a_layout_with_a_trl_reward_function(tmp_path
         "data_files": str(FIXTURES / files[0]), "eval_data_files": str(FIXTURES / files[1]),
         "reward_functions": [{"function": f"arithmetic_rewards:{function}", "weight": 1.0}],
     }}
-    summary = run(tmp_path, environment, steps=20)
+    summary = run(tmp_path, environment, steps=40)
     before, after = summary["eval_start"][layout], summary["eval_end"][layout]
-    assert after["pass@1"] > before["pass@1"] + 0.04, (before, after)
+    # Measured on 2 CPU cores: verl 0.289 -> 0.377, trl 0.301 -> 0.439 (about 40-60 s per run).
+    assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all(f"reward/{layout}/{function}" in row for row in rows[1:])
 

@@ -95,6 +95,18 @@ def test_a_verl_file_with_a_trl_function_reading_a_struct_column(fixture_plugins
     assert [r.reward for r in rollouts(agent)] == [1.0, 0.0] * 4
 
 
+def test_a_trl_function_using_math_verify_with_its_default_timeouts_works():
+    """TRL's own accuracy reward parses with math-verify's default (SIGALRM) timeouts, which work only
+    on the main thread: such functions run there when the agent is driven from it."""
+    from math_verify import parse, verify
+
+    def accuracy(completions, solution, **kwargs):
+        return [float(verify(parse(s), parse(c[0]["content"]))) for c, s in zip(completions, solution, strict=True)]
+
+    agent = DatasetAgent(**TRL, reward_functions=[{"function": accuracy}])
+    assert [r.reward for r in rollouts(agent)] == [1.0, 0.0] * 4
+
+
 def test_a_raising_reward_function_makes_a_placeholder(tmp_path):
     def broken(completions, **kwargs):
         raise RuntimeError("no reward today")
