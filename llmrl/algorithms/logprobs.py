@@ -177,8 +177,8 @@ def token_logprobs(
     A batch with shared prefixes brings its own mask (SDPA or eager attention only); see
     `llmrl.algorithms.packing`.
 
-    `temperature` is one number, or `SamplingParams` of ``[R, T]`` tensors laid out like the batch
-    (`llmrl.algorithms.packing.pack_values`): each token's own sampling options.
+    `temperature` is one number, or `SamplingParams` of ``[R, T]`` tensors laid out like the batch:
+    each token's own sampling options (the trainer gives each token its sequence's).
 
     Returns ``[R, T]`` float32 tensors aligned with ``batch.input_ids``: entry ``t`` is the logprob
     of token ``t`` given the tokens before it in its sequence, filled in where ``batch.loss_mask`` is
