@@ -227,8 +227,7 @@ class RunConfig(Section):
     run_dir: str = "runs/demo"
     """Folder for metrics, logs, plots and checkpoints."""
     plugins: list[str] = Field(default_factory=list)
-    """Python modules imported before building agents, so they can register their own types.
-    Only honoured for configs read from a local file, never for one received over the network."""
+    """Python modules (or `.py` files, imported under their file name) imported before building agents, so they can register their own types and provide reward functions (`module:function`). Only honoured for configs read from a local file, never for one received over the network."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
