@@ -105,7 +105,7 @@ class InferenceConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """vLLM servers (type `vllm`)."""
     generation: GenerationArgs = Field(default_factory=lambda: GenerationArgs(max_tokens=16))
-    """Sampling parameters for training rollouts (temperature also sets the trainer's logprobs)."""
+    """Sampling parameters of rollouts; an environment's `agent_args.generation_args` override them. The trainer takes its logprobs with each rollout's own options (temperature, min_p, top_k, top_p); repetition/presence penalties and min_tokens are for evaluation-only environments."""
 
 
 class EnvironmentConfig(Section):
@@ -270,8 +270,7 @@ class RunConfig(Section):
     run_dir: str = "runs/demo"
     """Folder for metrics, logs, plots and checkpoints."""
     plugins: list[str] = Field(default_factory=list)
-    """Python modules imported before building agents, so they can register their own types.
-    Only honoured for configs read from a local file, never for one received over the network."""
+    """Python modules (or `.py` files, imported under their file name) imported before building agents, so they can register their own types and provide reward functions (`module:function`). Only honoured for configs read from a local file, never for one received over the network."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -314,6 +313,8 @@ class RunConfig(Section):
                 f"inference.generation.max_tokens={self.inference.generation.max_tokens} completion tokens "
                 "plus its prompt; raise it"
             )
+        for index, env in enumerate(self.environments):
+            self._check_trainable_sampling(index, env)
         too_big = [k for k in self.evaluation.ks if k > self.evaluation.samples_per_prompt or k < 1]
         if too_big:
             raise ValueError(
@@ -321,6 +322,25 @@ class RunConfig(Section):
                 f"({self.evaluation.samples_per_prompt}), got {too_big}"
             )
         return self
+
+
+    def _check_trainable_sampling(self, index: int, env: EnvironmentConfig) -> None:
+        """A trained environment's sampling options must be ones the trainer's logprobs can follow."""
+        own = env.agent_args.get("generation_args")
+        if env.evaluation_only or env.weight == 0 or not isinstance(own, dict | None):
+            return
+        try:
+            args = self.inference.generation.merge(own)
+        except ValidationError:
+            return  # the agent reports its own bad generation_args, naming the field
+        where = f"environments[{index}] ({env.name})"
+        if args.temperature == 0:
+            raise ValueError(f"{where}: temperature 0 (greedy) leaves no distribution to train on")
+        if args.untrainable_options:
+            raise ValueError(
+                f"{where}: {args.untrainable_options} change the sampled distribution in ways the trainer "
+                "cannot reproduce in its logprobs; use them only with evaluation_only: true"
+            )
 
 
 def demo_config() -> RunConfig:

@@ -4,12 +4,16 @@ Configs name components by short registry names (`agent_type: arithmetic`), neve
 so a config that arrives over the network cannot make a process import arbitrary code. The
 built-in entries are resolved lazily (importing an agent pulls in its dependencies only when it is
 used). A *local* config may load user plug-ins through its explicit `plugins:` field: each listed
-module is imported and calls `register_agent` / `register_inference` itself.
+module is imported and calls `register_agent` / `register_inference` itself, and its functions
+can be named as ``module:function`` (reward functions); no other module's can.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 _BUILTIN_AGENTS: dict[str, str] = {
@@ -28,7 +32,14 @@ _BUILTIN_INFERENCE: dict[str, str] = {
     "vllm": "llmrl.inference.vllm:VLLMInterface",
 }
 
+_BUILTIN_FUNCTIONS: dict[str, str] = {
+    name: f"llmrl.rewards.scorers:{name}"
+    for name in ("default_compute_score", "gsm8k_strict", "gsm8k_flexible", "math_boxed", "math_dapo")
+}
+"""Reward functions a config may name without a plug-in (verl-style scorers)."""
+
 _agents: dict[str, str | type] = dict(_BUILTIN_AGENTS)
+_plugin_modules: set[str] = set()
 _inference: dict[str, str | type] = dict(_BUILTIN_INFERENCE)
 
 
@@ -102,10 +113,55 @@ def register_inference(name: str, cls: type | None = None, *, replace: bool = Fa
 def import_plugins(modules: list[str]) -> None:
     """Import user plug-in modules named by a *local* config's `plugins:` field.
 
-    Never call this with names taken from a network request.
+    An entry is a module name (``my_rewards``, ``mypackage.envs``) or the path of a ``.py`` file,
+    imported under its file name (``examples/my_rewards.py`` is the module ``my_rewards``). Never
+    call this with names taken from a network request.
     """
     for module in modules:
         try:
-            importlib.import_module(module)
-        except ImportError as exc:
+            name = _import_file(Path(module)) if module.endswith(".py") else importlib.import_module(module).__name__
+        except (ImportError, OSError) as exc:
             raise RegistryError(f"plugins: cannot import {module!r}: {exc}") from None
+        _plugin_modules.add(name)
+
+
+def _import_file(path: Path) -> str:
+    if not path.is_file():
+        raise ImportError(f"no such file: {path}")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path.resolve():
+        return name
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return name
+
+
+def resolve_function(spec: str) -> Any:
+    """The function `spec` names: ``module:function`` from an imported plug-in, or a built-in's name."""
+    if not isinstance(spec, str) or not spec:
+        raise RegistryError(f"expected a function name such as my_rewards:accuracy, got {spec!r}")
+    module_name, colon, attr = spec.rpartition(":")
+    if not colon:
+        if spec not in _BUILTIN_FUNCTIONS:
+            raise RegistryError(
+                f"{spec!r} is not a built-in reward function ({', '.join(sorted(_BUILTIN_FUNCTIONS))}); "
+                "name a plug-in's function as module:function"
+            )
+        module_name, _, attr = _BUILTIN_FUNCTIONS[spec].partition(":")
+    elif not any(module_name == p or module_name.startswith(p + ".") for p in _plugin_modules):
+        raise RegistryError(
+            f"{spec!r}: module {module_name!r} is not a plug-in of this config; list it under plugins: "
+            f"(imported so far: {sorted(_plugin_modules) or 'none'})"
+        )
+    function = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(function):
+        raise RegistryError(f"{spec!r}: module {module_name!r} has no function {attr!r}")
+    return function

@@ -4,9 +4,13 @@ Every type is a pydantic v2 model that forbids unknown fields, so a typo in a re
 config is an error naming the field instead of a silently ignored value. All of them round-trip
 through JSON (`model_dump_json` / `model_validate_json`).
 
-Logprob semantics (shared by every inference interface and the trainer): for completion token i,
-``logprobs[i] = log_softmax(logits_i / temperature)[token_i]`` in float32, computed *before*
-top-k / top-p filtering, so trainer and inference logprobs of the same weights agree.
+Logprob semantics (shared by every inference interface and the trainer): ``logprobs[i]`` is the
+log-probability of completion token i under the distribution it was actually sampled from, in
+float32: ``log_softmax(logits_i / temperature)[token_i]`` with the default options, renormalised
+over the tokens min-p, top-k and top-p keep when those are on, and taken of the penalised logits
+with repetition/presence penalties or `min_tokens`. The options travel with each rollout
+(`TokenRollout.generation_args`) and the trainer recomputes its logprobs with them; those it cannot
+reproduce (the penalties and `min_tokens`) are refused for training.
 """
 
 from __future__ import annotations
@@ -43,10 +47,29 @@ class GenerationArgs(WireModel):
     )  # fmt: skip
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
     top_k: StrictInt = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="Keep tokens at least min_p times as likely as the most likely one; 0 turns it off.",
+    )  # fmt: skip
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, allow_inf_nan=False, description="Divide the positive logits (multiply the negative ones) of tokens "
+        "already in the prompt or completion by this; 1 turns it off. Not for training."
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logits of tokens already in the completion; 0 turns it "
+        "off. Not for training."
+    )
+    min_tokens: StrictInt = Field(
+        0, ge=0, description="Completion tokens before eos and stop_token_ids may be sampled. Not for training."
+    )
+    ignore_eos: bool = Field(False, description="Go on after eos (it no longer ends the completion).")
     max_tokens: StrictInt = Field(256, ge=1, description="Maximum number of completion tokens.")
     stop: tuple[str, ...] = Field((), description="Strings that end the completion (not included in it).")
     stop_token_ids: tuple[StrictInt, ...] = Field((), description="Token ids that end the completion (included).")
     seed: StrictInt | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3."
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -68,6 +91,12 @@ class GenerationArgs(WireModel):
         if any(i < 0 for i in ids):
             raise ValueError("stop token ids must be >= 0")
         return ids
+
+    @property
+    def untrainable_options(self) -> dict[str, Any]:
+        """Options set here that the trainer cannot reproduce (history-dependent penalties, `min_tokens`)."""
+        neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "min_tokens": 0}
+        return {name: getattr(self, name) for name, value in neutral.items() if getattr(self, name) != value}
 
     def merge(self, other: GenerationArgs | dict[str, Any] | None) -> GenerationArgs:
         """Return a copy with the fields *explicitly set* in `other` laid over this one."""
@@ -145,6 +174,9 @@ class _RolloutBase(WireModel):
     """Fields every rollout carries, whatever form its trajectory takes."""
 
     reward: float = 0.0
+    reward_components: dict[str, float] = Field(
+        default_factory=dict, description="Named parts of the reward (reward functions' values), logged per environment."
+    )
     env_id: str = Field(min_length=1)
     problem_id: str = Field(min_length=1)
     status: RolloutStatus = "ok"
@@ -158,6 +190,14 @@ class _RolloutBase(WireModel):
         if not math.isfinite(reward):
             raise ValueError(f"reward must be a finite number, got {reward}")
         return reward
+
+    @field_validator("reward_components")
+    @classmethod
+    def _components_finite(cls, components: dict[str, float]) -> dict[str, float]:
+        bad = {name: value for name, value in components.items() if not math.isfinite(value)}
+        if bad:
+            raise ValueError(f"reward components must be finite numbers, got {bad}")
+        return components
 
     @property
     def is_valid(self) -> bool:
@@ -184,6 +224,9 @@ class TokenRollout(_RolloutBase):
     trajectory: list[list[int]]
     generation_mask: list[list[bool]]
     logprobs: list[list[float]] | None = None
+    generation_args: GenerationArgs | None = Field(
+        None, description="How the model turns were sampled: the trainer takes its logprobs of the same distribution."
+    )
     text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
 
     @model_validator(mode="after")

@@ -8,7 +8,8 @@ groups: one problem, `group_size` samples) and `evaluate` (held-out problems, n 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmrl.inference.interface import InferenceInterface
@@ -26,6 +27,8 @@ class Problem:
     """Plain-text prompt, or chat messages for models with a chat template."""
     answer: Any = None
     """The reference the reward compares with (a number, a string, a list of tests, ...)."""
+    row: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The data row it was made from (dataset environments: reward functions read its columns)."""
 
 
 def make_prompt(text: str, *, system_prompt: str | None = None, chat: bool = True) -> str | list[ChatMessage]:

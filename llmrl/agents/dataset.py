@@ -11,24 +11,43 @@ The config maps the data's columns onto a problem::
       prompt_template: "Answer briefly. {prompt}"   # any column can be used: {question}, {topic}, ...
       system_prompt: You are a helpful assistant.
 
-The prompt is `prompt_template` filled with the row's columns (``{prompt}`` is the prompt column),
-sent as chat messages (`chat: true`) or as plain text. The default reward is an exact match of the
-answer the model marks (``\\boxed{...}``, ``<answer>...</answer>`` or GSM8K's ``#### ...``; else
-the whole completion) against the answer column, after light normalisation; environments such as
-`math` and `code` subclass this agent to keep the loading and replace the reward.
+Three layouts are read, detected from the prompt column of the first row (``format:`` overrides):
+
+* ``flat``: a text prompt column; the prompt is `prompt_template` filled with the row's columns
+  (``{prompt}`` is the prompt column), sent as chat messages (`chat: true`) or as plain text.
+* ``conversational`` (TRL's): the prompt column holds a list of ``{role, content}`` messages, sent
+  as they are; `system_prompt` is put first only when the messages have no system message.
+* ``verl`` (verl's preprocessing scripts, DAPO-Math-17k): messages as above plus a ``reward_model``
+  struct column; the answer defaults to ``reward_model.ground_truth``, and the reward to
+  `llmrl.rewards.default_compute_score`, which picks the scorer from the row's ``data_source``.
+
+A column may be a path into struct columns (``reward_model.ground_truth``) in every layout. The
+reward is the weighted sum of `reward_functions` (TRL- or verl-style plain functions, see
+`llmrl.rewards.functions`) when given; otherwise an exact match of the answer the model marks
+(``\\boxed{...}``, ``<answer>...</answer>`` or GSM8K's ``#### ...``; else the whole completion)
+against the answer column, after light normalisation. Environments such as `math` and `code`
+subclass this agent to keep the loading and replace the reward.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ValidationError
 
 from llmrl.agents.base import Problem, make_prompt
 from llmrl.agents.reward_only import RewardOnlyAgent
-from llmrl.types import InferenceResponse
+from llmrl.rewards.answers import extract_answer, normalize_answer
+from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine
+from llmrl.rewards.scorers import default_compute_score
+from llmrl.types import ChatMessage, InferenceResponse
+
+Layout = Literal["flat", "conversational", "verl"]
+LAYOUTS: tuple[str, ...] = ("auto", "flat", "conversational", "verl")
+_DEFAULT_ANSWER_COLUMN = {"flat": "answer", "conversational": "answer", "verl": "reward_model.ground_truth"}
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -69,59 +88,8 @@ def load_rows(
     return datasets.load_dataset(builder, data_files=files, split="train").to_list()
 
 
-# ---- answer conventions -------------------------------------------------------------------------
-
-
-def last_boxed(text: str) -> tuple[str, int] | None:
-    """Content of the last ``\\boxed{...}`` (nested braces allowed) and the index just after it."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + len("\\boxed"), len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len("\\boxed{") : i].strip(), i + 1
-    return None
-
-
-def last_tagged(text: str, tag: str = "answer") -> tuple[str, int] | None:
-    """Content of the last ``<tag>...</tag>`` and the index just after it."""
-    matches = list(re.finditer(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL))
-    if not matches:
-        return None
-    return matches[-1].group(1).strip(), matches[-1].end()
-
-
-def after_hashes(text: str) -> tuple[str, int] | None:
-    """GSM8K's final answer: what follows the last ``####`` on its line."""
-    matches = list(re.finditer(r"####[ \t]*([^\n]*)", text))
-    if not matches or not matches[-1].group(1).strip():
-        return None
-    return matches[-1].group(1).strip(), matches[-1].end()
-
-
-def extract_answer(text: str) -> tuple[str, int] | None:
-    """The marked final answer and where it ends: ``\\boxed{}``, then ``<answer>`` tags, then ``####``."""
-    return last_boxed(text) or last_tagged(text) or after_hashes(text)
-
-
-def normalize_answer(answer: str) -> str:
-    """Case, surrounding space and punctuation, thousands separators and numeric form ignored."""
-    text = " ".join(answer.strip().strip(".").strip("$").lower().split())
-    number = text.replace(",", "")
-    try:
-        value = float(number)
-    except ValueError:
-        return text
-    return str(int(value)) if value.is_integer() else repr(value)
-
-
 class DatasetAgent(RewardOnlyAgent):
-    """Problems from a dataset with a column mapping; exact-match reward on the marked answer."""
+    """Problems from a dataset with a column mapping; reward functions, or exact match on the marked answer."""
 
     column_fields: tuple[str, ...] = ("prompt_column", "answer_column", "id_column")
     """Attributes that name columns; each must exist in the data (None skips one)."""
@@ -135,12 +103,15 @@ class DatasetAgent(RewardOnlyAgent):
         split: str = "train",
         eval_split: str | None = None,
         eval_data_files: str | list[str] | None = None,
+        format: Literal["auto", "flat", "conversational", "verl"] = "auto",
         prompt_column: str = "prompt",
-        answer_column: str = "answer",
+        answer_column: str | None = None,
         id_column: str | None = None,
+        data_source: str | None = None,
         system_prompt: str | None = None,
         prompt_template: str = "{prompt}",
         chat: bool = True,
+        reward_functions: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ):
         """
@@ -148,10 +119,17 @@ class DatasetAgent(RewardOnlyAgent):
             path / name / split: hub dataset name, its config and the training split.
             data_files: local files instead of `path` (json, jsonl, csv, parquet or arrow).
             eval_split / eval_data_files: held-out evaluation data; without them `eval_size` rows are held out.
-            prompt_column / answer_column / id_column: column mapping (ids default to the row number).
+            format: the data's layout, ``flat``, ``conversational`` or ``verl``; ``auto`` detects it.
+            prompt_column / answer_column / id_column: column mapping (ids default to the row number); a
+                column may be a dotted path into struct columns. The answer defaults to ``answer``, or
+                ``reward_model.ground_truth`` in the verl layout; without reward functions it is required.
+            data_source: the data source of rows without a ``data_source`` column (verl-style rewards).
             system_prompt: system message (chat) or preamble (plain text).
-            prompt_template: ``str.format`` template over the row's columns; ``{prompt}`` is the prompt column.
-            chat: send chat messages (for chat-tuned models) rather than plain text.
+            prompt_template: ``str.format`` template over the row's columns; ``{prompt}`` is the prompt
+                column (flat layout only).
+            chat: send chat messages (for chat-tuned models) rather than plain text (flat layout).
+            reward_functions: ``{function, weight, style, name}`` entries (`llmrl.rewards.functions`);
+                default: exact match, or `default_compute_score` in the verl layout.
             **kwargs: `RewardOnlyAgent` options (eval_size, max_turns, timeouts, generation_args, ...).
         """
         super().__init__(**kwargs)
@@ -159,58 +137,143 @@ class DatasetAgent(RewardOnlyAgent):
             raise ValueError("eval_split needs path (a hub dataset); for local files use eval_data_files")
         if eval_data_files is not None and data_files is None:
             raise ValueError("eval_data_files needs data_files; for a hub dataset use eval_split")
+        if format not in LAYOUTS:
+            raise ValueError(f"format: expected one of {list(LAYOUTS)}, got {format!r}")
+        functions = [
+            RewardFunction.from_config(entry, f"reward_functions[{i}]") for i, entry in enumerate(reward_functions or [])
+        ]
+        if functions and type(self).reward is not DatasetAgent.reward:
+            raise ValueError(f"reward_functions: {type(self).__name__} has a reward of its own; use agent_type dataset")
         self.prompt_column = prompt_column
-        self.answer_column = answer_column
         self.id_column = id_column
+        self.data_source = data_source
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
         self.chat = chat
         self._rows = load_rows(path=path, data_files=data_files, name=name, split=split)
+        self._source = _describe_source(path, data_files, split)
+        self.layout: Layout = self._detect_layout(self._rows, self._source) if format == "auto" else format
+        if not functions and self.layout == "verl":
+            functions = [RewardFunction(default_compute_score, name="score", style="verl")]
+        self.reward_functions = functions
+        # Functions written for TRL may use math-verify's signal-based timeouts, which need the main thread.
+        self.main_thread_rewards = bool(functions)
+        self.answer_column = answer_column or _DEFAULT_ANSWER_COLUMN[self.layout]
+        if answer_column is None and functions and not _has_column(self._rows[0], self.answer_column):
+            self.answer_column = None  # reward functions that need no answer, on data without the default one
         self._eval_rows = None
         if eval_split is not None or eval_data_files is not None:
-            self._eval_rows = load_rows(
-                path=path, data_files=eval_data_files, name=name, split=eval_split or split
-            )
-        for where, rows in (("data", self._rows), ("evaluation data", self._eval_rows)):
+            self._eval_rows = load_rows(path=path, data_files=eval_data_files, name=name, split=eval_split or split)
+        for rows, source in ((self._rows, self._source), (self._eval_rows, _describe_source(path, eval_data_files, eval_split or split))):
             if rows is not None:
-                self._check_rows(rows, where)
+                self._check_rows(rows, source)
 
-    def _check_rows(self, rows: list[dict[str, Any]], where: str) -> None:
+    # ---- columns ---------------------------------------------------------------------------------
+
+    def _detect_layout(self, rows: list[dict[str, Any]], source: str) -> Layout:
         if not rows:
-            raise ValueError(f"the {where} has no rows")
+            raise ValueError(f"{source}: no rows")
+        prompt = self._checked_value(rows[0], "prompt_column", source)
+        if isinstance(prompt, str):
+            return "flat"
+        if isinstance(prompt, list):
+            return "verl" if isinstance(rows[0].get("reward_model"), dict) else "conversational"
+        raise ValueError(
+            f"{source}: prompt_column={self.prompt_column!r} holds {_shown(prompt)}; expected text or a list "
+            f"of {{role, content}} messages"
+        )
+
+    @staticmethod
+    def value(row: dict[str, Any], column: str) -> Any:
+        """`row`'s value of `column`: a column name, or a dotted path into struct columns."""
+        if column in row:
+            return row[column]
+        head, *fields = column.split(".")
+        if not fields or head not in row:
+            raise ValueError(f"not a column; the data's columns are {list(row)}")
+        value, walked = row[head], head
+        for name in fields:
+            if not isinstance(value, dict):
+                raise ValueError(f"{walked!r} holds {_shown(value)}, not a struct; the data's columns are {list(row)}")
+            if name not in value:
+                raise ValueError(
+                    f"the struct {walked!r} has no field {name!r}, only {list(value)}; the data's columns are {list(row)}"
+                )
+            value, walked = value[name], f"{walked}.{name}"
+        return value
+
+    def _checked_value(self, row: dict[str, Any], field: str, source: str) -> Any:
+        """`value` of the column the attribute `field` names; errors name the file and the column."""
+        column = getattr(self, field)
+        try:
+            return self.value(row, column)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {field}={column!r}: {exc}") from None
+
+    def _check_rows(self, rows: list[dict[str, Any]], source: str) -> None:
+        if not rows:
+            raise ValueError(f"{source}: no rows")
         columns = list(rows[0])
         for field in self.column_fields:
-            column = getattr(self, field)
-            if column is not None and column not in columns:
+            if getattr(self, field) is not None:
+                for row in rows:
+                    self._checked_value(row, field, source)
+        for function in self.reward_functions:
+            function.check_columns(columns, f"reward_functions ({source})")
+        if self.layout == "flat":
+            try:
+                self.prompt_template.format_map(self.template_fields(rows[0]))
+            except (KeyError, IndexError, ValueError) as exc:
                 raise ValueError(
-                    f"{field}={column!r} is not a column of the {where}; its columns are {columns}"
-                )
-        try:
-            self.prompt_template.format_map(self.template_fields(rows[0]))
-        except (KeyError, IndexError, ValueError) as exc:
+                    f"prompt_template {self.prompt_template!r} cannot be filled ({type(exc).__name__}: {exc}); "
+                    f"it may use {{prompt}} and the columns {columns}"
+                ) from None
+        elif not isinstance(first := self.value(rows[0], self.prompt_column), list) or not first:
             raise ValueError(
-                f"prompt_template {self.prompt_template!r} cannot be filled ({type(exc).__name__}: {exc}); "
-                f"it may use {{prompt}} and the columns {columns}"
-            ) from None
+                f"{source}: prompt_column={self.prompt_column!r} holds {_shown(first)}; the {self.layout} layout "
+                "needs a non-empty list of {role, content} messages"
+            )
+        elif self.prompt_template != "{prompt}" or not self.chat:
+            raise ValueError(
+                f"{source}: the prompts are chat messages ({self.layout} layout), sent as they are; "
+                "prompt_template and chat: false apply to text prompts only"
+            )
 
     def template_fields(self, row: dict[str, Any]) -> dict[str, Any]:
         """Values the prompt template can use: the row's columns plus ``prompt``."""
-        return {**row, "prompt": row[self.prompt_column]}
+        return {**row, "prompt": self.value(row, self.prompt_column)}
 
     def answer_from_row(self, row: dict[str, Any]) -> Any:
         """The reference stored in `Problem.answer` (subclasses parse it here, once per problem)."""
-        return row[self.answer_column]
+        return None if self.answer_column is None else self.value(row, self.answer_column)
+
+    # ---- problems --------------------------------------------------------------------------------
+
+    def _prompt(self, row: dict[str, Any], source: str, index: int) -> str | list[ChatMessage]:
+        if self.layout == "flat":
+            text = self.prompt_template.format_map(self.template_fields(row))
+            return make_prompt(text, system_prompt=self.system_prompt, chat=self.chat)
+        raw = self.value(row, self.prompt_column)
+        try:
+            messages = [ChatMessage.model_validate(message) for message in raw]
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            raise ValueError(
+                f"{source}: row {index}, column {self.prompt_column!r}: not chat messages "
+                f"({'.'.join(map(str, error['loc']))}: {error['msg']}); found {_shown(raw)}"
+            ) from None
+        if self.system_prompt and not any(m.role == "system" for m in messages):
+            messages.insert(0, ChatMessage(role="system", content=self.system_prompt))
+        return messages
 
     def _problems(self, rows: list[dict[str, Any]], split: str) -> list[Problem]:
+        source = self._source if split == "train" else f"the evaluation data ({self._source})"
         return [
             Problem(
-                id=str(row[self.id_column]) if self.id_column else f"{split}-{index}",
-                prompt=make_prompt(
-                    self.prompt_template.format_map(self.template_fields(row)),
-                    system_prompt=self.system_prompt,
-                    chat=self.chat,
-                ),
+                id=str(self.value(row, self.id_column)) if self.id_column else f"{split}-{index}",
+                prompt=self._prompt(row, source, index),
                 answer=self.answer_from_row(row),
+                row=row,
             )
             for index, row in enumerate(rows)
         ]
@@ -221,7 +284,46 @@ class DatasetAgent(RewardOnlyAgent):
     def eval_prompts(self) -> list[Problem] | None:
         return None if self._eval_rows is None else self._problems(self._eval_rows, "eval")
 
-    def reward(self, response: InferenceResponse, problem: Problem) -> float:
+    # ---- reward ----------------------------------------------------------------------------------
+
+    def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
+        if self.reward_functions:
+            return combine(self.reward_functions, self.sample(response, problem))
         marked = extract_answer(response.text)
         answer = marked[0] if marked else response.text
         return float(normalize_answer(answer) == normalize_answer(str(problem.answer)))
+
+    def sample(self, response: InferenceResponse, problem: Problem) -> Sample:
+        """What reward functions see of `response` to `problem`."""
+        row = problem.row or {}
+        prompt = problem.prompt if isinstance(problem.prompt, str) else [m.model_dump() for m in problem.prompt]
+        return Sample(
+            prompt=prompt,
+            completion=response.text,
+            completion_ids=list(response.token_ids),
+            ground_truth=problem.answer,
+            data_source=row.get("data_source", self.data_source),
+            extra_info=row.get("extra_info"),
+            columns={name: value for name, value in row.items() if name != self.prompt_column},
+        )
+
+
+def _has_column(row: dict[str, Any], column: str) -> bool:
+    try:
+        DatasetAgent.value(row, column)
+    except ValueError:
+        return False
+    return True
+
+
+def _describe_source(path: str | None, data_files: str | Sequence[str] | None, split: str) -> str:
+    """How errors name the data: its file(s), or the hub dataset and split."""
+    if data_files is not None:
+        return ", ".join([data_files] if isinstance(data_files, str) else data_files)
+    return f"{path} (split {split})"
+
+
+def _shown(value: Any) -> str:
+    """A value's type and a short form of it, for error messages."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:120]}{'...' if len(text) > 120 else ''}"

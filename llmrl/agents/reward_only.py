@@ -20,7 +20,9 @@ to stop. Everything else is done here:
 
 Rewards and observations run in their own threads (`reward_concurrency` at a time) under
 `reward_timeout_s`; a function that never returns leaks its thread but not the run. Coroutine
-functions are awaited directly.
+functions are awaited directly. An agent with `main_thread_rewards` set scores on the event loop's
+thread instead when that is the main thread: code with signal-based timeouts (math-verify's, in
+reward functions written for TRL) only works there; such calls have no `reward_timeout_s`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, 
 from llmrl.agents.sampler import EpochSampler
 from llmrl.inference.interface import InferenceInterface
 from llmrl.logging import trace_span
+from llmrl.rewards.functions import Reward
 from llmrl.types import (
     ChatMessage,
     EvaluationResponse,
@@ -138,6 +141,9 @@ def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
 class RewardOnlyAgent(Agent):
     """Base of environments defined by a problem list and a reward (optionally multi-turn)."""
 
+    main_thread_rewards: bool = False
+    """Call `reward` on the event loop's thread when it is the main thread (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -201,8 +207,8 @@ class RewardOnlyAgent(Agent):
         return None
 
     @abstractmethod
-    def reward(self, response: InferenceResponse, problem: Problem) -> float:
-        """Score of the episode's last model turn."""
+    def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
+        """Score of the episode's last model turn (a `Reward` also names its parts, for the logs)."""
 
     def observe(self, turn: int, response: InferenceResponse, problem: Problem) -> str | None:
         """The user's reply to model turn `turn` (0-based), or None to end the episode."""
@@ -379,7 +385,7 @@ class RewardOnlyAgent(Agent):
         args: GenerationArgs,
     ) -> TokenRollout:
         """Continue the episode from its first model turn (multi-turn), then score it."""
-        trajectory = _Trajectory(problem, response)
+        trajectory = _Trajectory(problem, response, args)
         stage = "observe"
         try:
             for turn in range(self.max_turns - 1):
@@ -406,6 +412,8 @@ class RewardOnlyAgent(Agent):
                 stage = "observe"
             stage = "reward"
             reward = await self._call_env(self.reward, response, problem)
+            if isinstance(reward, Reward):
+                return trajectory.rollout(self.env_id, reward.value, reward.components)
             return trajectory.rollout(self.env_id, float(reward))
         except Exception as exc:
             reason = self._record_failure(stage, problem, exc, count=1)
@@ -421,6 +429,8 @@ class RewardOnlyAgent(Agent):
     async def _call_env(self, fn: Callable[..., Any], *args: Any) -> Any:
         async with self._reward_slots():
             with trace_span(fn.__name__, env=self.env_id):
+                if self.main_thread_rewards and fn == self.reward and threading.current_thread() is threading.main_thread():
+                    return fn(*args)
                 call = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)
 
@@ -445,8 +455,9 @@ class RewardOnlyAgent(Agent):
 class _Trajectory:
     """Token segments of one episode: prompt, model turn, user turn, model turn, ..."""
 
-    def __init__(self, problem: Problem, first: InferenceResponse):
+    def __init__(self, problem: Problem, first: InferenceResponse, args: GenerationArgs):
         self.problem = problem
+        self.args = args
         self.segments: list[list[int]] = [list(first.prompt_token_ids)]
         self.masks: list[list[bool]] = [[False] * len(first.prompt_token_ids)]
         self.logprobs: list[list[float]] | None = [[0.0] * len(first.prompt_token_ids)]
@@ -482,13 +493,15 @@ class _Trajectory:
         self._add(response.prompt_token_ids[len(prefix) :], False, None, message)
         self._add_completion(response)
 
-    def rollout(self, env_id: str, reward: float) -> TokenRollout:
+    def rollout(self, env_id: str, reward: float, components: dict[str, float] | None = None) -> TokenRollout:
         return TokenRollout(
             trajectory=self.segments,
             generation_mask=self.masks,
             logprobs=self.logprobs,
+            generation_args=self.args,
             text=self.texts,
             reward=reward,
+            reward_components=components or {},
             env_id=env_id,
             problem_id=self.problem.id,
             truncated=self.last.finish_reason == "length",

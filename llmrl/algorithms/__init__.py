@@ -5,7 +5,13 @@ for the formulas and the papers they come from.
 """
 
 from llmrl.algorithms.advantages import group_advantages
-from llmrl.algorithms.logprobs import logprobs_from_hidden, selective_log_softmax, token_logprobs
+from llmrl.algorithms.logprobs import (
+    SamplingParams,
+    kept_tokens,
+    logprobs_from_hidden,
+    selective_log_softmax,
+    token_logprobs,
+)
 from llmrl.algorithms.losses import kl_penalty, loss_normalizer, policy_loss
 from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, packing_efficiency, unpack
 from llmrl.algorithms.shaping import drop_truncated, soft_overlong_penalty
@@ -24,6 +30,8 @@ __all__ = [
     "policy_loss",
     "selective_log_softmax",
     "soft_overlong_penalty",
+    "SamplingParams",
+    "kept_tokens",
     "token_logprobs",
     "unpack",
 ]

@@ -4,10 +4,15 @@ For target token ``y_t`` predicted from hidden state ``h_{t-1}``::
 
     z        = (W h_{t-1} + b) / temperature     float32 logits, [V]
     logprob  = log_softmax(z)[y_t]                the same number the inference engine reports
-    entropy  = -sum_v p_v log p_v, p = softmax(z)  entropy of the full distribution
+    entropy  = -sum_v p_v log p_v, p = softmax(z)  entropy of the distribution sampled from
 
-(`llmrl.types`: logprobs are taken of ``logits / temperature`` before any top-k/top-p filtering,
-in float32, so trainer and engine agree.)
+(`llmrl.types`: logprobs are those of the distribution the token was sampled from, in float32, so
+trainer and engine agree.) The sampling options may differ per token (`SamplingParams`: each
+rollout's temperature, min-p, top-k, top-p). With min-p/top-k/top-p the distribution is
+renormalised over the tokens they keep, found as the engine finds them (`kept_tokens`: min-p on
+``softmax(z)``, then top-k, then top-p on what is left), plus the target itself, which the engine
+did draw: a token on the boundary that float rounding moves out of the kept set changes that
+token's normaliser by its own small mass instead of making its logprob -inf.
 
 The naive ``log_softmax(logits).gather(...)`` holds a float32 ``[tokens, vocab]`` tensor twice (the
 logits and their log-softmax), plus whatever autograd saves: at 32k vocab and 4k tokens that is
@@ -26,7 +31,9 @@ tensor functions underneath.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +45,58 @@ CHUNK_ELEMENTS = 2**24
 """Default chunk budget in logits: 16M float32 values = 64 MB (512 tokens at a 32k vocab)."""
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How each token was sampled, as tensors of one shape (``[N]`` per token, or ``[R, T]`` laid out
+    like a `PackedBatch` for `token_logprobs`). A filter that no token uses is None."""
+
+    temperature: torch.Tensor
+    """float32, > 0."""
+    top_k: torch.Tensor | None = None
+    """int64 tokens kept by top-k; 0 where it is off."""
+    top_p: torch.Tensor | None = None
+    """float32 nucleus mass; 1 where it is off."""
+    min_p: torch.Tensor | None = None
+    """float32 share of the largest probability a token needs; 0 where it is off."""
+
+    @property
+    def filters(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingParams:
+        """`fn` applied to every tensor (indexing, slicing, moving to a device)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SamplingParams(**{name: None if value is None else fn(value) for name, value in values.items()})
+
+
+def kept_tokens(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[n, V]`` bool, the tokens min-p, then top-k, then top-p keep (the engine's order, by a full sort).
+
+    `probs` is ``[n, V]`` (``softmax(logits / T)``), `params` has ``[n]`` tensors. Top-p keeps the
+    smallest prefix of the sorted remaining tokens whose mass reaches ``top_p`` of what min-p and
+    top-k kept; ties with the smallest kept probability are kept.
+    """
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.min_p is not None:
+        keep = probs >= params.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    ordered = probs.masked_fill(~keep, 0.0).sort(dim=-1, descending=True).values  # (n, V)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    ranked = keep.sum(dim=-1, keepdim=True) > ranks  # the min-p survivors lead the order
+    if params.top_k is not None:
+        ranked &= (params.top_k[:, None] == 0) | (ranks < params.top_k[:, None])
+    if params.top_p is not None:
+        ordered = ordered.masked_fill(~ranked, 0.0)
+        cumulative = ordered.cumsum(dim=-1)
+        mass_above = cumulative - ordered
+        ranked &= (params.top_p[:, None] >= 1) | (mass_above < params.top_p[:, None] * cumulative[:, -1:])
+    smallest = ordered.gather(-1, ranked.sum(dim=-1, keepdim=True) - 1)  # (n, 1)
+    return keep & (probs >= smallest)
+
+
 def selective_log_softmax(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | SamplingParams = 1.0,
     *,
     with_entropy: bool = False,
     chunk_size: int | None = None,
@@ -51,6 +106,7 @@ def selective_log_softmax(
     Args:
         logits: ``[..., V]`` in any float dtype (computed in float32).
         targets: ``[...]`` token ids.
+        temperature: one temperature, or per-token `SamplingParams` shaped like `targets`.
         with_entropy: also return the entropy of each token's full distribution.
         chunk_size: tokens per chunk; None sizes chunks to `CHUNK_ELEMENTS` logits.
     Returns ``(logprobs, entropies)``, both float32 shaped like `targets` (entropies None unless asked).
@@ -62,7 +118,7 @@ def selective_log_softmax(
         targets.reshape(-1),
         lambda x: x,
         logits.shape[-1],
-        temperature,
+        _flat(temperature),
         with_entropy,
         chunk_size,
     )
@@ -73,7 +129,7 @@ def logprobs_from_hidden(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | SamplingParams = 1.0,
     *,
     lm_head_bias: torch.Tensor | None = None,
     with_entropy: bool = False,
@@ -98,7 +154,7 @@ def logprobs_from_hidden(
         targets.reshape(-1),
         lambda x: F.linear(x, lm_head_weight, lm_head_bias),
         lm_head_weight.shape[0],
-        temperature,
+        _flat(temperature),
         with_entropy,
         chunk_size,
     )
@@ -108,7 +164,7 @@ def logprobs_from_hidden(
 def token_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
-    temperature: float = 1.0,
+    temperature: float | SamplingParams = 1.0,
     *,
     with_entropy: bool = False,
     chunk_size: int | None = None,
@@ -120,6 +176,9 @@ def token_logprobs(
     and builds a block-diagonal causal mask (SDPA/eager) or variable-length kernels (flash attention).
     A batch with shared prefixes brings its own mask (SDPA or eager attention only); see
     `llmrl.algorithms.packing`.
+
+    `temperature` is one number, or `SamplingParams` of ``[R, T]`` tensors laid out like the batch:
+    each token's own sampling options (the trainer gives each token its sequence's).
 
     Returns ``[R, T]`` float32 tensors aligned with ``batch.input_ids``: entry ``t`` is the logprob
     of token ``t`` given the tokens before it in its sequence, filled in where ``batch.loss_mask`` is
@@ -139,7 +198,7 @@ def token_logprobs(
         hidden[rows, batch.context_positions[rows, columns]],  # (N, H)
         lm_head.weight,
         batch.input_ids[rows, columns],  # (N,)
-        temperature,
+        temperature if isinstance(temperature, int | float) else temperature.map(lambda t: t[rows, columns]),
         lm_head_bias=lm_head.bias,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
@@ -159,7 +218,7 @@ def _chunked(
     targets: torch.Tensor,
     to_logits: Callable[[torch.Tensor], torch.Tensor],
     vocab: int,
-    temperature: float,
+    temperature: float | SamplingParams,
     with_entropy: bool,
     chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -167,15 +226,19 @@ def _chunked(
 
     ``chunk_size=None`` picks ``CHUNK_ELEMENTS // vocab`` tokens per chunk.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    lowest = temperature if isinstance(temperature, int | float) else (
+        temperature.temperature.min().item() if temperature.temperature.numel() else 1.0)
+    if not lowest > 0:
+        raise ValueError(f"temperature must be > 0 for logprobs, got {lowest}")
     if chunk_size is None:
         chunk_size = max(1, CHUNK_ELEMENTS // vocab)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 (or None), got {chunk_size}")
 
-    def stats(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _chunk_stats(to_logits(x), y, temperature, with_entropy)
+    def stats(x: torch.Tensor, y: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        params = temperature if isinstance(temperature, int | float) else temperature.map(
+            lambda t: t[start : start + chunk_size])
+        return _chunk_stats(to_logits(x), y, params, with_entropy)
 
     pieces = []
     # A single chunk is not checkpointed: what autograd keeps of it is bounded by the chunk budget,
@@ -186,25 +249,36 @@ def _chunked(
         x, y = inputs[start : start + chunk_size], targets[start : start + chunk_size]
         if recompute:
             # Keep only this chunk's inputs; recompute its logits during backward.
-            pieces.append(checkpoint(stats, x, y, use_reentrant=False))
+            pieces.append(checkpoint(stats, x, y, start, use_reentrant=False))
         else:
-            pieces.append(stats(x, y))
+            pieces.append(stats(x, y, start))
     logprobs = torch.cat([p[0] for p in pieces])
     entropies = torch.cat([p[1] for p in pieces]) if with_entropy else None
     return logprobs, entropies
 
 
 def _chunk_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | SamplingParams, with_entropy: bool
 ) -> tuple[torch.Tensor, ...]:
     """Logprob of each target (and entropy) for one chunk of ``[n, V]`` logits."""
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (n, V), only this chunk
+    divisor = temperature if isinstance(temperature, int | float) else temperature.temperature[:, None]
+    log_probs = torch.log_softmax(logits.float() / divisor, dim=-1)  # (n, V), only this chunk
+    if isinstance(temperature, SamplingParams) and temperature.filters:
+        with torch.no_grad():
+            keep = kept_tokens(log_probs.exp(), temperature)
+            keep[torch.arange(len(targets), device=keep.device), targets] = True  # the engine drew it
+        kept = log_probs.masked_fill(~keep, -math.inf)
+        log_probs = kept - kept.logsumexp(dim=-1, keepdim=True)  # renormalised over the kept tokens
     logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return (logprobs,)
     # clamp: a -inf logit (a banned token) has p = 0 and must add 0, not 0 * -inf = NaN.
     entropies = -(log_probs.exp() * log_probs.clamp(min=torch.finfo(log_probs.dtype).min)).sum(-1)
     return logprobs, entropies
+
+
+def _flat(temperature: float | SamplingParams) -> float | SamplingParams:
+    return temperature if isinstance(temperature, int | float) else temperature.map(lambda t: t.reshape(-1))
 
 
 def _view_or_none(values: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

@@ -119,10 +119,15 @@ def prompt_messages(problem: ArithmeticProblem) -> list[ChatMessage]:
     return [ChatMessage(role="user", content=prompt_text(problem))]
 
 
+def first_integer(completion: str) -> int | None:
+    """The first integer in `completion` (the answer the tiny model gives), or None."""
+    match = _FIRST_INTEGER.search(completion)
+    return None if match is None else int(match.group())
+
+
 def score(completion: str, problem: ArithmeticProblem) -> float:
     """1.0 if the first integer in `completion` equals the answer, else 0.0."""
-    match = _FIRST_INTEGER.search(completion)
-    return 1.0 if match is not None and int(match.group()) == problem.answer else 0.0
+    return 1.0 if first_integer(completion) == problem.answer else 0.0
 
 
 # Enumerate every problem (and so train on each once per epoch) when there are at most this many.

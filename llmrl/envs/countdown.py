@@ -23,8 +23,8 @@ from fractions import Fraction
 from typing import Any
 
 from llmrl.agents.base import Problem, make_prompt
-from llmrl.agents.dataset import last_tagged
 from llmrl.agents.reward_only import RewardOnlyAgent
+from llmrl.rewards.answers import last_tagged
 from llmrl.types import InferenceResponse
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

@@ -19,7 +19,8 @@ import functools
 from typing import Any
 
 from llmrl.agents.base import Problem
-from llmrl.agents.dataset import DatasetAgent, extract_answer, normalize_answer, packaged_data
+from llmrl.agents.dataset import DatasetAgent, packaged_data
+from llmrl.rewards.answers import extract_answer, normalize_answer
 from llmrl.types import InferenceResponse
 
 INSTRUCTION = "Reason step by step, and put your final answer within \\boxed{{}}."

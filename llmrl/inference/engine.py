@@ -27,8 +27,8 @@ keeps a single decode batch as full as it can:
   (multi-turn) those ids come first, used verbatim, and the prompt is appended as the next turn:
   a string without special tokens, messages rendered as a follow-up turn (what the template puts
   after an assistant message, minus the eos the model already produced, then the new turn).
-* **Sampling** (``sampling.py``): temperature (0 = greedy), top-k, top-p, one batched draw per
-  step. Each sample has its own random stream seeded from ``(seed, sample index)``, so a seeded
+* **Sampling** (``sampling.py``): temperature (0 = greedy), min-p, top-k, top-p, one batched draw
+  per step; repetition and presence penalties and `min_tokens` on the rows that ask for them. Each sample has its own random stream seeded from ``(seed, sample index)``, so a seeded
   request gives the same tokens alone or beside others, and sample 0 of ``n`` equals the ``n=1``
   request with that seed. Unseeded requests draw a seed from the engine's generator (``seed``).
 * **Stops.** A completion ends with ``finish_reason="stop"`` at a stop token id or an eos token
@@ -37,8 +37,10 @@ keeps a single decode batch as full as it can:
   ``tokenizers.DecodeStream``; ``text`` is cut before the stop string, while ``token_ids`` keep
   every sampled token, as vLLM does, so token trajectories stay exact); else ``"length"`` after
   ``max_tokens``.
-* **Logprobs**: ``log_softmax(logits / T)[token]`` in float32 before top-k/top-p, one per
-  completion token; greedy requests report the temperature-1 logprob.
+* **Logprobs**: one per completion token, in float32, of the distribution the token was drawn
+  from: ``log_softmax(logits / T)[token]``, renormalised over the tokens min-p/top-k/top-p keep,
+  of the penalised logits when penalties are on; greedy requests report the temperature-1 logprob.
+* **Chat templates** get the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``).
 * **Weight updates** happen between decode steps, never under a running forward.
   ``weight_update="drain"`` (default): admission pauses, in-flight sequences finish on the old
   weights (responses keep the old ``policy_version``), then the new weights load and the queue
@@ -76,7 +78,7 @@ from tokenizers.decoders import DecodeStream
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, list_tensor
 from llmrl.inference.interface import run_sync, running_loop
-from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, row_sampling, sample_tokens
+from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, penalize, row_sampling, sample_tokens
 from llmrl.types import MAX_POLICY_VERSION, FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
 
 WeightUpdateMode = Literal["drain", "abort"]
@@ -100,6 +102,8 @@ class _Sequence:
     request: _Request
     rng: random.Random | None  # None for greedy rows: they draw nothing
     stream: DecodeStream | None = None  # only when the request has stop strings
+    seen: torch.Tensor | None = None  # (V,) tokens of the prompt and completion so far, for penalties
+    seen_in_completion: torch.Tensor | None = None  # (V,) tokens of the completion so far
     text: str = ""  # decoded so far, only tracked for stop strings
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -208,6 +212,7 @@ class LocalEngine:
         self._running: list[_Sequence] = []  # in the decoder's row order
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
         self._draws: list[Callable[[], float]] = []  # each row's uniform draw, rebuilt with `_rows`
+        self._adjusted: list[int] = []  # rows with penalties or min_tokens, rebuilt with `_rows`
         self._last_tokens = torch.empty(0, dtype=torch.int64)  # (rows,) each row's latest token, fed next step
         self._cancellations = False  # set when a request's future is cancelled, from any thread
         self._admission_waited = 0  # steps admissible requests have waited (`_defer_admission`)
@@ -320,7 +325,7 @@ class LocalEngine:
             args=args,
             n=request.n,
             seed=seed,
-            stop_ids=self._eos_ids | frozenset(args.stop_token_ids),
+            stop_ids=(frozenset() if args.ignore_eos else self._eos_ids) | frozenset(args.stop_token_ids),
             future=future,
         )
 
@@ -338,13 +343,15 @@ class LocalEngine:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("prompt: chat messages need a tokenizer with a chat template; pass a string instead")
         messages = [m.model_dump() for m in prompt]
+        template_kwargs = request.generation_args.chat_template_kwargs or {}
         if prefix is None:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+                                                     return_dict=False, **template_kwargs)
             return list(ids)
-        return list(prefix) + self._follow_up_ids(prefix, messages)
+        return list(prefix) + self._follow_up_ids(prefix, messages, template_kwargs)
 
-    def _follow_up_ids(self, prefix: list[int], messages: list[dict[str, str]]) -> list[int]:
+    def _follow_up_ids(self, prefix: list[int], messages: list[dict[str, str]],
+                       template_kwargs: dict[str, Any]) -> list[int]:
         """Ids of `messages` as the next turn after a conversation whose ids (ending in a model turn) are `prefix`.
 
         The template renders a reference conversation with and without the new messages; the
@@ -353,9 +360,11 @@ class LocalEngine:
         """
         reply = "\u2063llmrl-reply\u2063"  # text no real conversation contains
         reference = [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}]
-        render = self.tokenizer.apply_chat_template
-        before = render(reference, tokenize=False)
-        after = render(reference + messages, add_generation_prompt=True, tokenize=False)
+        def render(conversation: list[dict[str, str]], **options: Any) -> str:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, **options, **template_kwargs)
+
+        before = render(reference)
+        after = render(reference + messages, add_generation_prompt=True)
         if reply not in before or not after.startswith(before):
             raise ValueError("prompt: the tokenizer's chat template cannot render a follow-up turn after prompt_token_ids")
         closing = before[before.rindex(reply) + len(reply):]
@@ -531,15 +540,21 @@ class LocalEngine:
             self._rows = row_sampling([seq.request.args for seq in self._running], self._decoder.vocab_size,
                                       self._device)
             self._draws = [_no_draw if seq.rng is None else seq.rng.random for seq in self._running]
+            self._adjusted = [row for row, seq in enumerate(self._running) if _adjusts_logits(seq.request.args)]
         # A double just below 1 rounds to 1.0 in float32: clamped after the conversion.
         uniforms = list_tensor([draw() for draw in self._draws], torch.float32, self._device).clamp_(max=MAX_UNIFORM)
-        tokens, logprobs = sample_tokens(torch.cat(logits) if len(logits) > 1 else logits[0], self._rows, uniforms)
+        logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        if self._adjusted:
+            logits = self._penalized(logits)
+        tokens, logprobs = sample_tokens(logits, self._rows, uniforms)
         self._last_tokens = tokens
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(self._running, tokens.tolist(), logprobs.tolist(),
                                                          strict=True)):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
+            if seq.seen is not None:
+                seq.seen[token] = seq.seen_in_completion[token] = True
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
@@ -548,6 +563,25 @@ class LocalEngine:
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self._decoder.cache_bytes)
         if finished:
             self._remove_rows(finished)
+
+    def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (B, V) with the penalties and `min_tokens` bans of the rows in `_adjusted` applied."""
+        rows = [self._running[row] for row in self._adjusted]
+        args = [seq.request.args for seq in rows]
+        banned = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=self._device)
+        for i, seq in enumerate(rows):
+            if len(seq.tokens) < seq.request.args.min_tokens and seq.request.stop_ids:
+                banned[i, list(seq.request.stop_ids)] = True
+        index = list_tensor(self._adjusted, torch.int64, self._device)
+        adjusted = penalize(
+            logits[index],
+            torch.stack([seq.seen for seq in rows]),
+            torch.stack([seq.seen_in_completion for seq in rows]),
+            list_tensor([a.repetition_penalty for a in args], torch.float32, self._device)[:, None],
+            list_tensor([a.presence_penalty for a in args], torch.float32, self._device)[:, None],
+            banned,
+        )
+        return logits.float().index_copy(0, index, adjusted)
 
     def _start(self, request: _Request) -> None:
         """Create the request's sequences (rows were appended by the decoder's prefill)."""
@@ -558,6 +592,10 @@ class LocalEngine:
             seq = _Sequence(request, random.Random(f"{request.seed}/{index}") if sampled else None)
             if request.args.stop and self._backend is not None:
                 seq.stream = DecodeStream(skip_special_tokens=True)
+            if _adjusts_logits(request.args):
+                seq.seen = torch.zeros(self._decoder.vocab_size, dtype=torch.bool, device=self._device)
+                seq.seen[request.prompt_ids] = True
+                seq.seen_in_completion = torch.zeros_like(seq.seen)
             request.sequences.append(seq)
             self._running.append(seq)
 
@@ -623,6 +661,11 @@ class LocalEngine:
         self._running = []
         self._rows = None
         self._decoder.reset()
+
+
+def _adjusts_logits(args: GenerationArgs) -> bool:
+    """Whether a request's logits change before sampling (penalties, or stop tokens banned for a while)."""
+    return args.repetition_penalty != 1.0 or args.presence_penalty != 0.0 or args.min_tokens > 0
 
 
 def _no_draw() -> float:

@@ -388,6 +388,12 @@ def _request_body(request: InferenceRequest, model: str) -> dict[str, Any]:
     extensions = {
         "stop": list(args.stop),
         "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty if args.repetition_penalty != 1.0 else None,
+        "presence_penalty": args.presence_penalty,
+        "min_tokens": args.min_tokens,
+        "ignore_eos": args.ignore_eos,
+        "chat_template_kwargs": args.chat_template_kwargs if not isinstance(request.prompt, str) else None,
         "stop_token_ids": list(args.stop_token_ids),
         "prompt_token_ids": request.prompt_token_ids,
     }

@@ -1,24 +1,28 @@
 """Next-token sampling for the embedded engine: one batched call per decode step, per-row parameters.
 
-Every row of a decode batch is one sequence with its own temperature, top-k, top-p and random
-stream. A step draws all rows' tokens with a handful of tensor ops (no per-row kernels):
+Every row of a decode batch is one sequence with its own temperature, min-p, top-k, top-p and
+random stream. A step draws all rows' tokens with a handful of tensor ops (no per-row kernels):
 
-1. ``probs = softmax(logits / T)`` in float32, *before* any filtering; the engine reports
-   ``log(probs[token])``, i.e. ``log_softmax(logits / T)[token]`` (the semantics in
-   ``llmrl/types.py``), so trainer and inference logprobs of the same weights agree. One pass over
-   the vocabulary instead of ``log_softmax`` then ``exp`` (~45 us of a ~4 ms step at 64 rows x
-   1024 tokens); the log of a float32 probability is within ~1e-7 of ``log_softmax``, and a
-   drawn token never has probability 0 (step 3), a greedy one is the most likely.
-2. Top-k, then top-p on the top-k-renormalised distribution (the order of Hugging Face's logits
-   warpers): on each row's probabilities sorted in descending order, drop ranks >= k, then every
-   token whose higher-ranked mass already reaches ``top_p`` of what top-k kept (the first token is
-   always kept); the smallest kept probability becomes a threshold applied in vocabulary order.
-   Only the largest ``max(PARTIAL_SORT, top_k)`` probabilities are ranked (``topk``) unless a
-   top-p row keeps them all (then the whole vocabulary is sorted); skipped entirely when no row
-   of the batch filters.
+0. (``penalize``, only for rows that ask) repetition and presence penalties change the logits of
+   tokens seen before, as Hugging Face and vLLM define them, and `min_tokens` bans stop tokens.
+1. ``probs = softmax(logits / T)`` in float32. One pass over the vocabulary instead of
+   ``log_softmax`` then ``exp`` (~45 us of a ~4 ms step at 64 rows x 1024 tokens); the log of a
+   float32 probability is within ~1e-7 of ``log_softmax``, and a drawn token never has
+   probability 0 (step 3), a greedy one is the most likely.
+2. Min-p (tokens below ``min_p`` times the row's largest probability are dropped), then top-k,
+   then top-p on what is left, renormalised: on each row's probabilities sorted in descending
+   order, drop ranks >= k, then every token whose higher-ranked mass already reaches ``top_p`` of
+   what min-p and top-k kept (the first token is always kept); the smallest kept probability
+   becomes a threshold applied in vocabulary order. Only the largest ``max(PARTIAL_SORT, top_k)``
+   probabilities are ranked (``topk``) unless a top-p row keeps them all (then the whole
+   vocabulary is sorted); skipped entirely when no row of the batch filters.
 3. Inverse-CDF sampling with *one uniform per row*, always in vocabulary order: the token is the
    first index whose cumulative (unnormalised) probability exceeds ``u * total``. Zeroed tokens
    own an empty interval and can never be drawn.
+
+The reported logprob is that of the distribution the token was drawn from (the semantics in
+``llmrl/types.py``): ``log(probs[token])`` without filters, ``log(kept[token] / kept.sum())`` with
+them; the trainer recomputes the same numbers (`llmrl.algorithms.logprobs`).
 
 Why one uniform per row from the sequence's own generator: the draw of a sequence depends only on
 its own logits and its own seed, never on which other rows share the batch, so a seeded request
@@ -63,12 +67,17 @@ class RowSampling:
     top_p: torch.Tensor | None
     """(B, 1) float32 nucleus mass; +inf where top-p is off, so rounding never trims the tail.
     None unless `any_filter`."""
+    min_p: torch.Tensor | None
+    """(B, 1) float32 share of the largest probability a token needs; 0 where min-p is off.
+    None unless some row uses min-p."""
+    filtered: torch.Tensor | None
+    """(B,) bool, rows whose logprobs are renormalised over the tokens they keep. None unless `any_filter`."""
     all_greedy: bool
     any_greedy: bool
     unit_temperature: bool
     """True when every row divides by 1 (T=1 or greedy): the division is skipped."""
     any_filter: bool
-    """True when some row uses top-k or top-p: only then is the vocabulary sorted."""
+    """True when some row uses min-p, top-k or top-p: only then is the vocabulary filtered."""
 
 
 MAX_UNIFORM = 1.0 - 2.0**-23
@@ -81,14 +90,18 @@ def row_sampling(args: Sequence[GenerationArgs], vocab_size: int, device: torch.
     temperature = [[1.0 if g else a.temperature] for g, a in zip(greedy, args, strict=True)]
     top_k = [a.top_k if 0 < a.top_k < vocab_size else vocab_size for a in args]
     top_p = [a.top_p if a.top_p < 1.0 else math.inf for a in args]
+    min_p = [[a.min_p] for a in args]
     all_greedy, any_greedy = all(greedy), any(greedy)
     unit_temperature = all(t == [1.0] for t in temperature)
-    any_filter = any(k < vocab_size for k in top_k) or any(p < math.inf for p in top_p)
+    filtered = [k < vocab_size or p < math.inf or m != [0.0] for k, p, m in zip(top_k, top_p, min_p, strict=True)]
+    any_filter, any_min_p = any(filtered), any(m != [0.0] for m in min_p)
     return RowSampling(
         temperature=None if unit_temperature else torch.tensor(temperature, dtype=torch.float32, device=device),
         greedy=torch.tensor(greedy, dtype=torch.bool, device=device) if any_greedy and not all_greedy else None,
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device)[:, None] if any_filter else None,
         top_p=torch.tensor(top_p, dtype=torch.float32, device=device)[:, None] if any_filter else None,
+        min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if any_min_p else None,
+        filtered=torch.tensor(filtered, dtype=torch.bool, device=device) if any_filter else None,
         all_greedy=all_greedy,
         any_greedy=any_greedy,
         unit_temperature=unit_temperature,
@@ -106,24 +119,46 @@ def sample_tokens(
     """
     logits = logits.float()  # (B, V)
     scaled = logits if rows.unit_temperature else logits / rows.temperature
-    probs = torch.softmax(scaled, dim=-1)  # (B, V), before top-k/top-p
+    probs = torch.softmax(scaled, dim=-1)  # (B, V), before min-p/top-k/top-p
     if rows.all_greedy:
         tokens = logits.argmax(dim=-1)
-    else:
-        tokens = _inverse_cdf(probs, rows, uniforms)
-        if rows.any_greedy:
-            tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
-    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
-
-
-def _inverse_cdf(probs: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor) -> torch.Tensor:
-    """(B,) token ids drawn from `probs` (B, V) after each row's top-k/top-p, one uniform per row."""
-    if rows.any_filter:
-        probs = _top_k_top_p(probs, rows)
-    cdf = probs.cumsum(dim=-1)  # (B, V), non-decreasing, so cdf[:, -1] is the total
+        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    kept = _filter(probs, rows) if rows.any_filter else probs
+    cdf = kept.cumsum(dim=-1)  # (B, V), non-decreasing, so cdf[:, -1] is the total
     # u <= MAX_UNIFORM makes u * total round below total, so the pick is a token of positive
     # probability (rounding is monotone and (1 - 2^-23) * total is at least one ulp below it).
-    return torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    tokens = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    if rows.any_greedy:
+        tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
+    logprobs = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    if rows.any_filter:  # the drawn token's share of what its row kept (greedy rows report T=1, unfiltered)
+        renormalised = kept.gather(-1, tokens[:, None]).squeeze(-1).log() - cdf[:, -1].log()
+        logprobs = torch.where(rows.filtered & ~rows.greedy if rows.any_greedy else rows.filtered,
+                               renormalised, logprobs)
+    return tokens, logprobs
+
+
+def penalize(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    seen_in_completion: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    banned: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised float32 logits (B, V) of rows that ask for penalties or `min_tokens`.
+
+    `seen` (B, V) bool marks tokens in the prompt or completion so far, `seen_in_completion` those
+    in the completion; `repetition_penalty` and `presence_penalty` are (B, 1). A seen token's logit
+    is divided by the repetition penalty when positive and multiplied by it otherwise (Keskar et
+    al. 2019, CTRL, as in Hugging Face and vLLM); the presence penalty is subtracted from logits of
+    tokens in the completion (OpenAI's definition). `banned` (B, V) bool tokens (stop tokens before
+    `min_tokens`) get -inf.
+    """
+    logits = logits.float()
+    repeated = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+    logits = torch.where(seen, repeated, logits) - presence_penalty * seen_in_completion
+    return logits.masked_fill(banned, -math.inf)
 
 
 PARTIAL_SORT = 64
@@ -134,6 +169,13 @@ the whole vocabulary only when some row's kept set may reach beyond them. Measur
 0.8 ms; a flat distribution (randn x 1) pays both, 3.9 ms. The tiny model's nucleus of 0.9 holds
 1-8 tokens. Top-p's mass is the row's whole sum here rather than the sorted prefix sum, equal up
 to float32 rounding."""
+
+
+def _filter(probs: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """Zero the probabilities each row's min-p, then top-k/top-p, removes."""
+    if rows.min_p is not None:  # a row without min-p has threshold 0, which keeps everything
+        probs = probs.masked_fill(probs < rows.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return _top_k_top_p(probs, rows)
 
 
 def _top_k_top_p(probs: torch.Tensor, rows: RowSampling) -> torch.Tensor:

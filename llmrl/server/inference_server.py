@@ -4,9 +4,10 @@
 in OpenAI's shapes, so the official ``openai`` client and other tools work against it. Training
 needs more than text, so every response also carries the llmrl extensions: the whole prompt's
 ``prompt_token_ids`` and the ``policy_version`` at the top level, and per choice the completion's
-``token_ids`` and ``token_logprobs`` (``log_softmax(logits / T)`` before top-k/top-p, float32; see
-`llmrl.types`). Requests may add ``top_k``, ``stop_token_ids`` and ``prompt_token_ids`` (continue
-after these exact ids: multi-turn rollouts never re-tokenise earlier turns).
+``token_ids`` and ``token_logprobs`` (of the distribution each token was sampled from, float32; see `llmrl.types`). Requests may add vLLM's sampling extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and (chat)
+``chat_template_kwargs``, and ``prompt_token_ids`` (continue after these exact ids: multi-turn
+rollouts never re-tokenise earlier turns).
 
 Concurrent requests share the engine's continuous batch: the engine steps it as a task on the
 server's event loop. ``POST /v1/weights`` loads new weights, versioned, between two decode steps
@@ -47,11 +48,8 @@ WEIGHTS_PATH = "/v1/weights"
 # OpenAI and vLLM fields this server does not implement. A request may send them only with a value
 # that changes nothing (absent, null, false, 0, empty, or the value listed here); anything else is
 # refused rather than silently ignored, since it would change what is sampled.
-_NEUTRAL_VALUES: dict[str, Any] = {"best_of": 1, "repetition_penalty": 1, "response_format": {"type": "text"}}
-_UNSUPPORTED = tuple(
-    "stream echo best_of suffix logit_bias presence_penalty frequency_penalty repetition_penalty "
-    "min_p min_tokens tools functions response_format".split()
-)
+_NEUTRAL_VALUES: dict[str, Any] = {"best_of": 1, "response_format": {"type": "text"}}
+_UNSUPPORTED = tuple("stream echo best_of suffix logit_bias frequency_penalty tools functions response_format".split())
 
 
 class RequestRefused(Exception):
@@ -73,6 +71,11 @@ class _GenerationFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(0, ge=-1, description="Extension; 0 or -1 (vLLM's spelling) turn top-k off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
     max_tokens: StrictInt | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
@@ -108,6 +111,7 @@ class _Message(BaseModel):
 
 class ChatBody(_GenerationFields):
     messages: list[_Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables of the chat template.")
     max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
 
     def completion_limit(self) -> int:
@@ -163,6 +167,12 @@ class _InferenceServer:
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            chat_template_kwargs=getattr(body, "chat_template_kwargs", None),
             max_tokens=body.completion_limit(),
             stop=tuple(stop),
             stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from llmrl.algorithms.logprobs import token_logprobs
+from llmrl.algorithms.logprobs import SamplingParams, token_logprobs
 from llmrl.algorithms.losses import policy_loss
 from llmrl.algorithms.packing import (
     PackedBatch,
@@ -48,6 +48,7 @@ from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.logging import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.trainer.rollouts import RolloutBatch
+from llmrl.types import GenerationArgs
 
 
 def build_optimizer(
@@ -119,7 +120,7 @@ class PolicyUpdate:
         *,
         algorithm: AlgorithmConfig,
         training: TrainingConfig,
-        temperature: float,
+        generation_args: GenerationArgs,
         max_tokens: int,
         pad_token_id: int,
         reference: torch.nn.Module | None = None,
@@ -130,7 +131,7 @@ class PolicyUpdate:
         self.optimizer = optimizer
         self.algorithm = algorithm
         self.training = training
-        self.temperature = temperature
+        self.generation_args = generation_args
         self.max_length = algorithm.max_length or max_tokens
         self.pad_token_id = pad_token_id
         self.reference = reference
@@ -150,6 +151,8 @@ class PolicyUpdate:
     def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
         """Train on `batch`; returns the metrics (token-weighted means over the step)."""
         self._check_lengths(batch)
+        self._sampling = sampling_params([r.generation_args or self.generation_args for r in batch.rollouts],
+                                         [f"{r.env_id} problem {r.problem_id}" for r in batch.rollouts])
         sequences, masks = batch.sequences, batch.loss_masks
         forwarded = [
             i for i in range(len(batch)) if not (self.skip_zero_advantage and batch.advantages[i] == 0)
@@ -273,7 +276,7 @@ class PolicyUpdate:
         """A forward (and backward) pass that changes nothing, for FSDP's collectives to match up."""
         packed = self._build(sequences, masks, [[index]])
         with torch.set_grad_enabled(backward):
-            logprobs, _ = token_logprobs(model, packed, self.temperature)
+            logprobs, _ = token_logprobs(model, packed, self._token_sampling(packed))
             if backward:
                 (logprobs.sum() * 0.0).backward()
 
@@ -291,7 +294,7 @@ class PolicyUpdate:
             if packed is None:
                 self._idle_pass(model, sequences, masks, indices[0], backward=False)
                 continue
-            logprobs, _ = token_logprobs(model, packed, self.temperature)
+            logprobs, _ = token_logprobs(model, packed, self._token_sampling(packed))
             for i, per_token in unpack(logprobs, packed).items():
                 values[i] = per_token.cpu()
         if self.distributed is not None:  # every rank trains on other shares in later passes
@@ -312,7 +315,7 @@ class PolicyUpdate:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.algorithm
         logprobs, entropies = token_logprobs(
-            self._policy_forward, packed, self.temperature, with_entropy=True
+            self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
         )
         if algorithm.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
@@ -339,11 +342,46 @@ class PolicyUpdate:
             sequence_ids=packed.sequence_ids,
         )
 
+    def _token_sampling(self, packed: PackedBatch) -> float | SamplingParams:
+        """The step's sampling options laid out like `packed` (each token gets its sequence's)."""
+        if isinstance(self._sampling, float):
+            return self._sampling
+        owners = packed.sequence_ids.clamp(min=0)  # padding (-1) takes sequence 0's: never scored
+        return self._sampling.map(lambda values: values.to(owners.device)[owners])
+
     def _clip_gradients(self) -> float:
         parameters = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.training.max_grad_norm if self.training.max_grad_norm is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: the global norm
+
+
+def sampling_params(args: Sequence[GenerationArgs], names: Sequence[str]) -> float | SamplingParams:
+    """What the trainer's logprobs of each rollout must follow: its sampling options (`llmrl.types`).
+
+    One temperature when every rollout was sampled alike without filters (the usual case), else
+    per-rollout `SamplingParams` tensors. Options the trainer cannot reproduce are refused, naming
+    the first rollout (`names[i]`) that used one.
+    """
+    for options, name in zip(args, names, strict=True):
+        if options.temperature == 0:
+            raise ValueError(f"{name} was decoded greedily (temperature 0): there is no distribution to train on")
+        refused = options.untrainable_options
+        if refused:
+            raise ValueError(
+                f"{name} was sampled with {refused}, which the trainer cannot reproduce in its logprobs; use these "
+                "options only in environments with evaluation_only: true"
+            )
+    temperatures = torch.tensor([a.temperature for a in args], dtype=torch.float32)
+    top_k, top_p, min_p = ([getattr(a, name) for a in args] for name in ("top_k", "top_p", "min_p"))
+    if not any(top_k) and all(p == 1.0 for p in top_p) and not any(min_p) and len(set(temperatures.tolist())) <= 1:
+        return args[0].temperature if args else 1.0
+    return SamplingParams(
+        temperature=temperatures,
+        top_k=torch.tensor(top_k, dtype=torch.int64) if any(top_k) else None,
+        top_p=torch.tensor(top_p, dtype=torch.float32) if any(p < 1.0 for p in top_p) else None,
+        min_p=torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
+    )
 
 
 class _MetricTotals:

@@ -153,6 +153,12 @@ def rollout_metrics(
         metrics[f"{prefix}/pass_rate"] = (
             float((rewards >= correct_threshold).double().mean()) if members else math.nan
         )
+    for env, members in sorted(by_env.items()):  # each reward function's mean, where it applied
+        components: dict[str, list[float]] = defaultdict(list)
+        for rollout in members:
+            for name, value in rollout.reward_components.items():
+                components[name].append(value)
+        metrics |= {f"reward/{env}/{name}": sum(values) / len(values) for name, values in sorted(components.items())}
     lengths = torch.tensor([r.num_generated for r in valid], dtype=torch.float64)
     metrics["rollout/response_length"] = float(lengths.mean()) if valid else math.nan
     metrics["rollout/response_length_max"] = float(lengths.max()) if valid else math.nan

@@ -132,7 +132,7 @@ class Trainer:
         )
         self.update = PolicyUpdate(
             self.policy, self.optimizer, algorithm=config.algorithm, training=config.training,
-            temperature=generation.temperature, max_tokens=generation.max_tokens,
+            generation_args=generation, max_tokens=generation.max_tokens,
             pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference, distributed=self.distributed,
         )  # fmt: skip
         if self.is_main:

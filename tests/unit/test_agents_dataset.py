@@ -6,14 +6,8 @@ import json
 import pytest
 from scripted_inference import ScriptedInference
 
-from llmrl.agents.dataset import (
-    DatasetAgent,
-    after_hashes,
-    extract_answer,
-    last_boxed,
-    last_tagged,
-    normalize_answer,
-)
+from llmrl.agents.dataset import DatasetAgent
+from llmrl.rewards.answers import after_hashes, extract_answer, last_boxed, last_tagged, normalize_answer
 from llmrl.types import ChatMessage, InferenceResponse
 
 ROWS = [{"q": f"What is {i} + {i}?", "a": str(2 * i), "topic": "sums", "uid": f"s{i}"} for i in range(12)]
@@ -70,9 +64,10 @@ def test_chat_prompts_with_a_system_message(tmp_path):
 
 
 def test_a_missing_column_lists_the_columns_the_data_has(tmp_path):
+    path = write_rows(tmp_path, ".jsonl")
     with pytest.raises(ValueError) as info:
-        DatasetAgent(data_files=write_rows(tmp_path, ".jsonl"), prompt_column="question", answer_column="a")
-    assert str(info.value) == "prompt_column='question' is not a column of the data; its columns are ['q', 'a', 'topic', 'uid']"
+        DatasetAgent(data_files=path, prompt_column="question", answer_column="a")
+    assert str(info.value) == f"{path}: prompt_column='question': not a column; the data's columns are ['q', 'a', 'topic', 'uid']"
 
 
 @pytest.mark.parametrize(

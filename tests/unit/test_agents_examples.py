@@ -1,11 +1,14 @@
 """Every shipped example config loads, and its environments build and have problems to train and evaluate on."""
 
+import sys
 from pathlib import Path
 
 import pytest
 
+from llmrl import registry
 from llmrl.agents import build_agents
 from llmrl.config import load_config
+from llmrl.types import InferenceResponse
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -16,10 +19,22 @@ def test_there_is_an_example_per_environment_and_a_mix():
     assert {"arithmetic", "countdown", "gsm8k", "math", "code", "dataset", "mixed"} <= names
 
 
+@pytest.fixture
+def plugin_state(monkeypatch):
+    """Plug-ins an example imports are forgotten afterwards."""
+    monkeypatch.setattr(registry, "_plugin_modules", set())
+    modules = set(sys.modules)
+    yield
+    for name in set(sys.modules) - modules:
+        if name in ("my_rewards",):
+            del sys.modules[name]
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_example_builds(path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # data paths in the examples are relative to the repository root
+def test_example_builds(path, monkeypatch, plugin_state):
+    monkeypatch.chdir(ROOT)  # data and plug-in paths in the examples are relative to the repository root
     config = load_config(path)
+    registry.import_plugins(config.plugins)
     multi = build_agents(
         config.environments,
         config.seed,
@@ -31,6 +46,28 @@ def test_example_builds(path, monkeypatch):
     for agent, count in zip(multi.agents, counts, strict=True):
         assert agent.eval_problems, agent.env_id
         assert count == 0 or agent.train_problems
+
+
+def test_the_trl_example_scores_with_its_plain_reward_functions(monkeypatch, plugin_state):
+    monkeypatch.chdir(ROOT)
+    config = load_config(ROOT / "examples" / "trl_reward_functions.yaml")
+    registry.import_plugins(config.plugins)
+    (agent,) = build_agents(config.environments, config.seed).agents
+    problem = agent.eval_problems[0]
+    text = f"<think>adding up</think> <answer>{problem.row['solution']}</answer>"
+    response = InferenceResponse(text=text, prompt_token_ids=[1], token_ids=[2, 3], finish_reason="stop")
+    reward = agent.reward(response, problem)
+    assert reward.components == {"accuracy": 1.0, "format": 1.0} and reward.value == pytest.approx(1.1)
+
+
+def test_the_dapo_example_scores_the_last_answer_line(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    (agent,) = build_agents(load_config(ROOT / "examples" / "dapo_math.yaml").environments).agents
+    assert agent.layout == "verl"
+    problem = agent.eval_problems[0]
+    for text, score in ((f"So it is {problem.answer}.\nAnswer: {problem.answer}", 1.0), ("Answer: nothing", 0.0)):
+        response = InferenceResponse(text=text, prompt_token_ids=[1], token_ids=[2], finish_reason="stop")
+        assert agent.reward(response, problem).value == score
 
 
 def test_the_mixed_example_splits_groups_by_weight(monkeypatch):

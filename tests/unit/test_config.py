@@ -179,3 +179,25 @@ def test_configuration_reference_is_up_to_date():
 
     doc = Path(__file__).parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == reference_markdown(), "regenerate: python -m llmrl.config > docs/configuration.md"
+
+
+@pytest.mark.parametrize(
+    ("generation_args", "evaluation_only", "message"),
+    [
+        ({"repetition_penalty": 1.2}, False, r"environments\[0\] \(arithmetic\): \{'repetition_penalty': 1.2\} change"),
+        ({"min_tokens": 3, "presence_penalty": 0.5}, False, "'presence_penalty': 0.5, 'min_tokens': 3"),
+        ({"temperature": 0}, False, "temperature 0"),
+        ({"repetition_penalty": 1.2}, True, None),
+        ({"temperature": 0.6, "top_k": 20, "min_p": 0.05}, False, None),
+    ],
+)
+def test_trained_environments_may_only_use_sampling_options_the_trainer_follows(generation_args, evaluation_only, message):
+    environments = [{"agent_type": "arithmetic", "evaluation_only": evaluation_only,
+                     "agent_args": {"generation_args": generation_args}}]
+    if evaluation_only:
+        environments.append({"agent_type": "countdown"})
+    if message is None:
+        config_from_dict({"environments": environments})
+        return
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"environments": environments})

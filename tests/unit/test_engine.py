@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import math
 import threading
 import time
 
@@ -28,12 +29,14 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference import build_inference
 from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, _CompiledPackages, build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import InferenceInterface
 from llmrl.trainer.distributed import tied_duplicates
+from llmrl.trainer.optimization import sampling_params
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 CONTEXT = 160
@@ -122,12 +125,18 @@ async def _gather(engine: LocalEngine, requests: list[InferenceRequest], return_
     return await asyncio.gather(*(engine.agenerate(r) for r in requests), return_exceptions=return_exceptions)
 
 
-def _teacher_forced(model, prompt_ids: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) of each completion token from one full forward pass."""
+def _teacher_forced(model, prompt_ids: list[int], completion: list[int], temperature: float,
+                    args: GenerationArgs | None = None) -> torch.Tensor:
+    """Logprobs of each completion token from one full forward pass, as the trainer takes them:
+    log softmax(logits / T), renormalised over what `args`' min-p/top-k/top-p keep."""
     ids = torch.tensor([prompt_ids + completion])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    targets = torch.tensor(completion)
+    if args is None:
+        return selective_log_softmax(logits, targets, temperature)[0]
+    each = [args] * len(completion)  # per-token options, as the trainer lays them out
+    return selective_log_softmax(logits, targets, sampling_params(each, ["response"] * len(each)))[0]
 
 
 def test_engine_is_an_inference_interface(qwen2, tokenizer):
@@ -200,18 +209,73 @@ def test_greedy_matches_generate_token_for_token(served):
 def test_logprobs_equal_teacher_forced_forward(served, temperature):
     model, tokenizer = served
     engine = LocalEngine(model, tokenizer)
-    # top-k / top-p restrict sampling but the reported logprob is taken before them.
+    # Filters renormalise the distribution; the trainer's logprobs of a forward pass follow them.
     args = [GenerationArgs(temperature=temperature, max_tokens=30, seed=1),
-            GenerationArgs(temperature=temperature, max_tokens=25, top_k=5, top_p=0.9, seed=2)]
-    requests = [InferenceRequest(prompt=p, n=3, generation_args=a) for p, a in zip(PROMPTS[:2], args, strict=True)]
+            GenerationArgs(temperature=temperature, max_tokens=25, top_k=5, top_p=0.9, seed=2),
+            GenerationArgs(temperature=temperature, max_tokens=25, min_p=0.05, seed=3),
+            GenerationArgs(temperature=temperature, max_tokens=25, top_p=0.7, min_p=0.02, top_k=20, seed=4)]
+    requests = [InferenceRequest(prompt=p, n=3, generation_args=a) for p, a in zip(PROMPTS, args, strict=True)]
     # A group long enough to keep one shared copy of its prompt (cascade attention on the fast path).
     requests.append(InferenceRequest(prompt=LONG_PROMPT, n=8, generation_args=args[0]))
     assert len(tokenizer(LONG_PROMPT)["input_ids"]) * 7 >= LlamaFamilyDecoder.SHARE_FROM
-    for responses in asyncio.run(_gather(engine, requests)):
+    for request, responses in zip(requests, asyncio.run(_gather(engine, requests)), strict=True):
         for response in responses:
             assert len(response.logprobs) == len(response.token_ids) > 0
-            expected = _teacher_forced(model, response.prompt_token_ids, response.token_ids, temperature)
+            expected = _teacher_forced(model, response.prompt_token_ids, response.token_ids, temperature,
+                                       request.generation_args)
             assert (torch.tensor(response.logprobs) - expected).abs().max().item() < 1e-4
+
+
+def test_penalised_logprobs_equal_a_forward_pass_with_the_same_penalties(fast_served):
+    """Repetition (Hugging Face's processor as the reference) and presence penalties and min_tokens
+    change the distribution sampled from; the logprobs describe that distribution."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    model, tokenizer = fast_served
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    engine = LocalEngine(model, tokenizer, eos_token_ids=[eos])
+    args = GenerationArgs(temperature=0.8, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.7,
+                          min_tokens=6, seed=5)
+    request = InferenceRequest(prompt=[ChatMessage(role="user", content="What is 12 + 35?")], n=4,
+                               generation_args=args)
+    repetition = RepetitionPenaltyLogitsProcessor(args.repetition_penalty)
+    for response in engine.generate(request):
+        assert eos not in response.token_ids[: args.min_tokens]
+        ids = torch.tensor([response.prompt_token_ids + response.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(response.prompt_token_ids) - 1 : -1].float()
+        for j, token in enumerate(response.token_ids):
+            context = ids[:, : len(response.prompt_token_ids) + j]
+            scores = repetition(context, logits[j : j + 1].clone())[0]
+            scores[torch.tensor(sorted(set(response.token_ids[:j])), dtype=torch.long)] -= args.presence_penalty
+            if j < args.min_tokens:
+                scores[eos] = -math.inf
+            expected = torch.log_softmax(scores / args.temperature, dim=-1)[token].item()
+            assert abs(response.logprobs[j] - expected) < 1e-4, (j, response.logprobs[j], expected)
+
+
+def test_ignore_eos_goes_on_to_max_tokens(tiny_model):
+    model, tokenizer = tiny_model
+    engine = LocalEngine(model, tokenizer)
+    prompt = [ChatMessage(role="user", content="What is 12 + 35?")]
+    (stopped,) = engine.generate(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(temperature=0)))
+    assert stopped.finish_reason == "stop"
+    (going,) = engine.generate(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(
+        temperature=0, ignore_eos=True, max_tokens=12)))
+    assert going.finish_reason == "length" and len(going.token_ids) == 12
+    assert going.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer, qwen2):
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = CHATML.replace(
+        "{%- if add_generation_prompt %}", "{%- if add_generation_prompt %}{%- if not think %}{{- 'no ' }}{%- endif %}")
+    engine = LocalEngine(qwen2, templated)
+    chat = [ChatMessage(role="user", content="a")]
+    plain, thinking = (engine.generate(InferenceRequest(prompt=chat, generation_args=GenerationArgs(
+        max_tokens=1, chat_template_kwargs=kwargs)))[0] for kwargs in (None, {"think": True}))
+    assert templated.decode(plain.prompt_token_ids).endswith("no <|im_start|>assistant\n")
+    assert templated.decode(thinking.prompt_token_ids).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_same_seed_same_tokens_alone_or_beside_30_others(fast_served):

@@ -12,13 +12,19 @@ from llmrl.inference.sampling import MAX_UNIFORM, row_sampling, sample_tokens
 from llmrl.types import GenerationArgs
 
 
-def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then top-p on the renormalised top-k distribution, one row, by hand.
+def reference_distribution(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """Temperature, min-p, then top-k, then top-p on the renormalised top-k distribution, one row, by hand.
 
-    Top-p as Hugging Face's TopPLogitsWarper: sort ascending and drop the tokens whose cumulative
-    probability is <= 1 - top_p, always keeping the most likely token.
+    Min-p drops tokens less likely than min_p times the most likely one. Top-p as Hugging Face's
+    TopPLogitsWarper: sort ascending and drop the tokens whose cumulative probability is
+    <= 1 - top_p, always keeping the most likely token.
     """
     probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if min_p:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+        probs = probs / probs.sum()
     if top_k:
         kth = probs.sort(descending=True).values[top_k - 1]
         probs = torch.where(probs >= kth, probs, 0.0)
@@ -50,31 +56,34 @@ def _empirical(logits: torch.Tensor, args: GenerationArgs, draws: int = 20_000) 
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"),
-    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.8, 5, 0.6), (1.0, 1, 1.0), (2.0, 4, 0.95)],
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 3, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.8, 5, 0.6, 0.0),
+     (1.0, 1, 1.0, 0.0), (2.0, 4, 0.95, 0.0), (1.0, 0, 1.0, 0.1), (1.2, 6, 0.9, 0.05)],
 )
-def test_sampled_frequencies_match_reference(temperature, top_k, top_p):
+def test_sampled_frequencies_match_reference(temperature, top_k, top_p, min_p):
     logits = torch.randn(11, generator=torch.Generator().manual_seed(3)) * 2
-    args = GenerationArgs(temperature=temperature, top_k=top_k, top_p=top_p)
-    expected = reference_distribution(logits, temperature, top_k, top_p)
+    args = GenerationArgs(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    expected = reference_distribution(logits, temperature, top_k, top_p, min_p)
     assert (_empirical(logits, args) - expected).abs().max().item() < 2e-3
 
 
-def test_logprobs_are_taken_before_filtering_and_greedy_reports_temperature_one():
+def test_logprobs_describe_the_distribution_sampled_from_and_greedy_reports_temperature_one():
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 50, generator=generator) * 3
+    logits = torch.randn(5, 50, generator=generator) * 3
     args = [
-        GenerationArgs(temperature=0.0),
+        GenerationArgs(temperature=0.0, top_k=3),
         GenerationArgs(temperature=0.7, top_k=3),
         GenerationArgs(temperature=1.5, top_p=0.5),
         GenerationArgs(temperature=1.0),
+        GenerationArgs(temperature=0.9, min_p=0.2),
     ]
     rows = row_sampling(args, 50, "cpu")
-    tokens, logprobs = sample_tokens(logits.double(), rows, torch.rand(4, generator=generator))
+    tokens, logprobs = sample_tokens(logits.double(), rows, torch.rand(5, generator=generator))
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert tokens[0] == logits[0].argmax()
-    for row, temperature in enumerate([1.0, 0.7, 1.5, 1.0]):
-        expected = torch.log_softmax(logits[row] / temperature, dim=-1)[tokens[row]]
+    assert abs(logprobs[0].item() - torch.log_softmax(logits[0], dim=-1)[tokens[0]].item()) < 1e-6
+    for row, a in enumerate(args[1:], start=1):
+        expected = reference_distribution(logits[row], a.temperature, a.top_k, a.top_p, a.min_p)[tokens[row]].log()
         assert abs(logprobs[row].item() - expected.item()) < 1e-6
     assert tokens[1] in logits[1].topk(3).indices
 

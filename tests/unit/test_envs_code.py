@@ -108,5 +108,5 @@ def test_configuration_errors():
         CodeAgent(reward_mode="most")
     with pytest.raises(ValueError, match="memory_mb must be >= 64"):
         CodeAgent(memory_mb=1)
-    with pytest.raises(ValueError, match=r"setup_column='setup' is not a column .*'test_setup_code'"):
+    with pytest.raises(ValueError, match=r"mbpp_train.jsonl: setup_column='setup': not a column.*'test_setup_code'"):
         CodeAgent(setup_column="setup")

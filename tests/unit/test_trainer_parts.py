@@ -12,6 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.agents.base import placeholder_rollout
+from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
@@ -22,9 +23,10 @@ from llmrl.trainer.optimization import (
     forward_costs,
     has_local_attention,
     lr_factor,
+    sampling_params,
 )
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
-from llmrl.types import RolloutGroup, TokenRollout
+from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 VOCAB = 48
 
@@ -67,7 +69,7 @@ def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None):
     policy = tiny_policy(seed)
     # Plain SGD: Adam's first step is about lr * sign(gradient), which would magnify rounding noise.
     optimizer = torch.optim.SGD(policy.parameters(), lr=training.lr)
-    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, temperature=1.0,
+    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(),
                           max_tokens=8, pad_token_id=0, reference=tiny_policy(seed + 1) if algorithm.kl_beta else None)
     if skip is not None:
         update.skip_zero_advantage = skip
@@ -160,7 +162,7 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     groups = random_groups(6, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
     training = TrainingConfig(micro_batch_tokens=40, pack_row_tokens=10)
-    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, temperature=1.0,
+    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, generation_args=GenerationArgs(),
                           max_tokens=8, pad_token_id=0)
     packed = list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
     longest = max(len(s) for s in batch.sequences)
@@ -188,7 +190,7 @@ def test_models_with_sliding_window_attention_never_share_prefixes():
     groups = random_groups(3, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
     def layouts(policy):
-        update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(), temperature=1.0,
+        update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(), generation_args=GenerationArgs(),
                               max_tokens=8, pad_token_id=0)
         return list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
 
@@ -388,3 +390,37 @@ def test_tied_duplicates_names_the_aliases_of_tied_embeddings():
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     assert tied_duplicates(Qwen2ForCausalLM(config)) == {"lm_head.weight"}
     assert tied_duplicates(tiny_policy()) == set()
+
+
+def test_each_rollout_gets_logprobs_of_its_own_sampling_options():
+    """Rollouts of one packed batch sampled differently (temperature, filters) each get the logprobs
+    of their own distribution, the same as a forward pass of that rollout alone."""
+    options = [GenerationArgs(temperature=0.5, top_k=5), GenerationArgs(), GenerationArgs(temperature=1.5, min_p=0.05),
+               GenerationArgs(temperature=0.8, top_p=0.6)]
+    groups = random_groups(4, 2, seed=3)
+    for group, args in zip(groups, options, strict=True):
+        group.rollouts[:] = [r.model_copy(update={"generation_args": args}) for r in group.rollouts]
+    batch, _ = prepare_batch(groups, group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
+    policy = tiny_policy()
+    update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(micro_batch_tokens=4096),
+                          generation_args=GenerationArgs(), max_tokens=8, pad_token_id=0)
+    update._sampling = sampling_params([r.generation_args for r in batch.rollouts], ["r"] * len(batch))
+    packed = update._sequence_logprobs(policy, batch.sequences, batch.loss_masks, range(len(batch)))
+    for i, rollout in enumerate(batch.rollouts):
+        tokens, mask = torch.tensor(rollout.tokens), torch.tensor(rollout.mask)
+        with torch.no_grad():
+            logits = policy(tokens[None]).logits[0, :-1]
+        alone = sampling_params([rollout.generation_args] * (len(tokens) - 1), ["r"] * (len(tokens) - 1))
+        expected, _ = selective_log_softmax(logits, tokens[1:], alone)
+        torch.testing.assert_close(packed[i][mask], expected[mask[1:]], rtol=0, atol=2e-5)
+
+
+def test_sampling_params_are_one_temperature_when_all_rollouts_agree_and_refuse_what_the_trainer_cannot_follow():
+    assert sampling_params([GenerationArgs(temperature=0.7)] * 3, ["a", "b", "c"]) == 0.7
+    mixed = sampling_params([GenerationArgs(temperature=0.7), GenerationArgs(top_p=0.9)], ["a", "b"])
+    assert mixed.temperature.tolist() == pytest.approx([0.7, 1.0]) and mixed.top_k is None and mixed.min_p is None
+    assert mixed.top_p.tolist() == pytest.approx([1.0, 0.9])
+    with pytest.raises(ValueError, match=r"math problem 3 was sampled with \{'repetition_penalty': 1.2\}.*evaluation_only"):
+        sampling_params([GenerationArgs(), GenerationArgs(repetition_penalty=1.2)], ["a", "math problem 3"])
+    with pytest.raises(ValueError, match="decoded greedily"):
+        sampling_params([GenerationArgs(temperature=0)], ["a"])

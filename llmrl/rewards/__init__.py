@@ -1,0 +1,24 @@
+"""Rewards as plain functions: answer conventions, verl-style scorers, and TRL/verl reward functions."""
+
+from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine
+from llmrl.rewards.scorers import (
+    default_compute_score,
+    gsm8k_flexible,
+    gsm8k_strict,
+    math_boxed,
+    math_dapo,
+    normalize_dapo_answer,
+)
+
+__all__ = [
+    "Reward",
+    "RewardFunction",
+    "Sample",
+    "combine",
+    "default_compute_score",
+    "gsm8k_flexible",
+    "gsm8k_strict",
+    "math_boxed",
+    "math_dapo",
+    "normalize_dapo_answer",
+]
