@@ -76,10 +76,12 @@ def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
     train(tmp_path, "training.steps=3", "evaluation.at_start=false", "evaluation.at_end=false", "training.lr=1e-4")
     rows = read_metrics(tmp_path / "metrics.jsonl")
     observed = [(row["train/loss"], row["reward/mean"], row["train/entropy"]) for row in rows]
+    # Re-recorded on 2026-11-25: with the packages PyPI gives today, the tiny model builds to other
+    # weights than before (the unchanged code of the previous landing gives these numbers too).
     expected = [  # (train/loss, reward/mean, train/entropy) of steps 1..3
-        (-0.01130659319460392, 0.234375, 0.38583847880363464),
-        (-0.005564621649682522, 0.390625, 0.4620368480682373),
-        (4.0755314678619925e-09, 0.359375, 0.3516257405281067),
+        (2.055332570805035e-09, 0.25, 0.5820158123970032),
+        (0.0067616598680615425, 0.390625, 0.5641374588012695),
+        (0.003324436955153942, 0.390625, 0.5335966348648071),
     ]
     for got, want in zip(observed, expected, strict=True):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
