@@ -70,7 +70,7 @@ class _Guard:
             except BodyTooLarge as exc:
                 refusal = error_response(413, str(exc))
             else:
-                problem = json_body_problem(body)
+                problem = _json_body_problem(body)
                 refusal = None if problem is None else error_response(problem[0], problem[1])
                 receive = _replay(body)
         if refusal is not None:
@@ -139,7 +139,7 @@ def _replay(body: bytes) -> Receive:
     return replay
 
 
-def json_body_problem(body: bytes) -> tuple[int, str] | None:
+def _json_body_problem(body: bytes) -> tuple[int, str] | None:
     """(status, message) for a body no route can take as JSON text, or None.
 
     Not judged here: JSON syntax (FastAPI answers it with 422 and the position) and an empty body.
