@@ -215,6 +215,8 @@ def _threshold(ordered: torch.Tensor, total: torch.Tensor | None, rows: RowSampl
                                                                       cumulative[:, -1:], total)
     # Keep a token while the mass ranked above it is below top_p of what top-k kept: the smallest
     # prefix whose mass reaches top_p. The first token is always kept.
-    keep = in_top_k & (cumulative - ordered < rows.top_p * kept_mass)
+    # Rounding in the cumulative sum can put the first token's mass-above a hair over a tiny top_p:
+    # rank 0 is kept explicitly, or a row would keep nothing.
+    keep = in_top_k & ((cumulative - ordered < rows.top_p * kept_mass) | (ranks == 0))
     kept = keep.sum(dim=-1, keepdim=True)
     return ordered.gather(-1, kept - 1), kept
