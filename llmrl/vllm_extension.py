@@ -3,9 +3,9 @@
 vLLM loads this module into its worker processes when it is started with
 ``--worker-extension-cls llmrl.vllm_extension.LlmrlWorkerExtension`` and
 ``--weight-transfer-config '{"backend": "llmrl"}'`` (llmrl's managed servers are; see
-docs/serving.md for an external one). It imports only torch, safetensors and vLLM, never the
-rest of llmrl, so it runs in vLLM's own environment with llmrl installed there without
-dependencies (``pip install --no-deps``).
+docs/serving.md for an external one). It imports only torch, safetensors, vLLM and
+`llmrl.weight_checks` (torch only), so it runs in vLLM's own environment with llmrl installed
+there without dependencies (``pip install --no-deps``).
 
 - The **backend** ("llmrl") receives weights through vLLM's RL routes
   (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), one bucket per
@@ -38,6 +38,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from llmrl.weight_checks import weight_problem
 
 BACKEND = "llmrl"
 
@@ -137,13 +139,7 @@ def bucket_tensor_problem(name: str, tensor: torch.Tensor, manifest: dict[str, d
     expected = manifest.get(name)
     if expected is None:
         return f"{name!r} is not a tensor of the served checkpoint"
-    if list(tensor.shape) != list(expected["shape"]):
-        return f"{name!r} has shape {list(tensor.shape)}, the served checkpoint has {expected['shape']}"
-    if not tensor.is_floating_point():
-        return f"{name!r} is {tensor.dtype}, not a floating-point tensor"
-    if not bool(torch.isfinite(tensor).all()):
-        return f"{name!r} holds NaN or infinite values"
-    return ""
+    return weight_problem(name, tensor, expected["shape"])
 
 
 def checkpoint_manifest(model: str) -> dict[str, dict[str, Any]]:

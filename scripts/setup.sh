@@ -25,7 +25,7 @@ echo "llmrl installed in .venv (torch $(.venv/bin/python -c 'import torch; print
 if $with_vllm; then
   # vLLM lives in its own environment: its pins (transformers, fastapi) differ from the trainer's, and
   # its servers are separate processes anyway. llmrl goes in without dependencies, for the module
-  # vLLM loads (llmrl.vllm_extension imports only torch, safetensors and vllm).
+  # vLLM loads (llmrl.vllm_extension imports only torch, safetensors, vllm and llmrl.weight_checks).
   if [ ! -x .venv-vllm/bin/python ]; then
     "$python" -m venv .venv-vllm
   fi

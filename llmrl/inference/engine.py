@@ -80,6 +80,7 @@ from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, 
 from llmrl.inference.interface import run_sync, running_loop
 from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, penalize, row_sampling, sample_tokens
 from llmrl.types import MAX_POLICY_VERSION, FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
+from llmrl.weight_checks import weight_problem
 
 WeightUpdateMode = Literal["drain", "abort"]
 
@@ -381,13 +382,9 @@ class LocalEngine:
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
-            if value.shape != own[key].shape:
-                raise ValueError(f"state_dict: {key!r} has shape {tuple(value.shape)}, the model {tuple(own[key].shape)}")
-            if value.is_floating_point() != own[key].is_floating_point():
-                raise ValueError(f"state_dict: {key!r} has dtype {value.dtype}, the model {own[key].dtype}")
-            # One pass over the tensor: a single NaN or Inf weight would make every request fail.
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise ValueError(f"state_dict: {key!r} has non-finite values (NaN or Inf)")
+            problem = weight_problem(key, value, own[key].shape, floating=own[key].is_floating_point())
+            if problem:
+                raise ValueError(f"state_dict: {problem}")
 
     # -- driving the batch -----------------------------------------------------------------------
     #

@@ -65,6 +65,7 @@ from llmrl.inference.openai import (
     _error_message,
 )
 from llmrl.types import InferenceRequest, InferenceResponse
+from llmrl.weight_checks import weight_problem
 
 __all__ = ["VLLMInterface", "VLLMServer", "VLLMStartError", "find_vllm_python", "weight_buckets"]
 
@@ -319,13 +320,9 @@ def check_weights(state: dict[str, torch.Tensor], manifest: dict[str, dict[str, 
             f"{len(missing)} of its tensor(s) missing {missing[:3]}; a sync sends the whole checkpoint"
         )
     for name, tensor in state.items():
-        expected = manifest[name]["shape"]
-        if list(tensor.shape) != list(expected):
-            raise ValueError(f"weights for {server}: {name!r} has shape {list(tensor.shape)}, the server's is {expected}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"weights for {server}: {name!r} is {tensor.dtype}, not floating point")
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"weights for {server}: {name!r} holds NaN or infinite values")
+        problem = weight_problem(name, tensor, manifest[name]["shape"])
+        if problem:
+            raise ValueError(f"weights for {server}: {problem}")
 
 
 # -- the interface ------------------------------------------------------------------------------
