@@ -140,16 +140,9 @@ class OpenAIInterface:
             )
         if isinstance(config.base_url, list):
             raise ValueError("inference.base_url: type 'openai' takes one URL; type 'vllm' spreads over several")
-        api_key = None
-        if config.api_key_env:
-            api_key = os.environ.get(config.api_key_env)
-            if not api_key:
-                raise ValueError(
-                    f"inference.api_key_env: the environment variable {config.api_key_env} is not set"
-                )
         return cls(
             config.base_url,
-            api_key=api_key,
+            api_key=api_key_from_env(config),
             timeout_s=config.request_timeout_s,
             max_concurrent=config.max_concurrent,
             weights_dir=config.weights_dir,
@@ -356,6 +349,16 @@ def _split(request: InferenceRequest, max_n: int) -> list[InferenceRequest]:
             args = args.model_copy(update={"seed": derive_seed(args.seed, "part", index)})
         parts.append(request.model_copy(update={"n": min(max_n, request.n - start), "generation_args": args}))
     return parts
+
+
+def api_key_from_env(config: InferenceConfig) -> str | None:
+    """The bearer token held by the variable `config.api_key_env` names (None when it names none)."""
+    if not config.api_key_env:
+        return None
+    api_key = os.environ.get(config.api_key_env)
+    if not api_key:
+        raise ValueError(f"inference.api_key_env: the environment variable {config.api_key_env} is not set")
+    return api_key
 
 
 def _normalise_base_url(base_url: str) -> str:

@@ -63,6 +63,7 @@ from llmrl.inference.openai import (
     UnsupportedServerError,
     WeightSyncError,
     _error_message,
+    api_key_from_env,
 )
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weight_checks import weight_problem
@@ -71,6 +72,11 @@ __all__ = ["VLLMInterface", "VLLMServer", "VLLMStartError", "find_vllm_python", 
 
 EXTENSION_CLASS = "llmrl.vllm_extension.LlmrlWorkerExtension"
 TRANSFER_BACKEND = "llmrl"
+
+
+def transfer_backend(config: VLLMConfig) -> str:
+    """The vLLM weight-transfer backend a transport needs: vLLM's NCCL one, or llmrl's for http/disk."""
+    return "nccl" if config.transport == "nccl" else TRANSFER_BACKEND
 _LOG_TAIL_LINES = 30
 
 
@@ -83,23 +89,19 @@ class VLLMStartError(RuntimeError):
 
 def find_vllm_python(configured: str | None) -> str:
     """The interpreter that runs managed servers (see `VLLMConfig.python` for the search order)."""
-    candidates: list[tuple[str, str]] = []
-    if configured:
-        candidates.append((configured, "inference.vllm.python"))
-    elif os.environ.get("LLMRL_VLLM_PYTHON"):
-        candidates.append((os.environ["LLMRL_VLLM_PYTHON"], "$LLMRL_VLLM_PYTHON"))
-    else:
-        checkout = Path(__file__).resolve().parents[2]
-        candidates.append((str(checkout / ".venv-vllm" / "bin" / "python"), "scripts/setup.sh vllm"))
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("vllm") is not None:
-            candidates.append((sys.executable, "this interpreter"))
-    for python, origin in candidates:
-        if Path(python).is_file() and os.access(python, os.X_OK):
+    named = [(configured, "inference.vllm.python"), (os.environ.get("LLMRL_VLLM_PYTHON"), "$LLMRL_VLLM_PYTHON")]
+    for python, origin in named:
+        if python:  # named by the user: it must be there
+            if not (Path(python).is_file() and os.access(python, os.X_OK)):
+                raise VLLMStartError(f"{origin}: {python} is not an executable Python interpreter")
             return python
-        if origin != "scripts/setup.sh vllm":
-            raise VLLMStartError(f"{origin}: {python} is not an executable Python interpreter")
+    beside_checkout = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    if beside_checkout.is_file():
+        return str(beside_checkout)
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
     raise VLLMStartError(
         "no Python with vLLM found for managed servers: run `bash scripts/setup.sh vllm` (it makes "
         ".venv-vllm), or set inference.vllm.python (or $LLMRL_VLLM_PYTHON) to an interpreter that has "
@@ -137,14 +139,13 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         """The server's command line: the flags training needs, then `extra_args`."""
-        backend = "nccl" if self.config.transport == "nccl" else TRANSFER_BACKEND
         command = [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--dtype", self.dtype, "--seed", str(self.seed),
             "--host", self.config.host, "--port", str(self.port),
             "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", EXTENSION_CLASS,
-            "--weight-transfer-config", f'{{"backend": "{backend}"}}',
+            "--weight-transfer-config", f'{{"backend": "{transfer_backend(self.config)}"}}',
             "--tensor-parallel-size", str(self.config.tensor_parallel_size),
             "--gpu-memory-utilization", str(self.config.gpu_memory_utilization),
         ]  # fmt: skip
@@ -385,7 +386,7 @@ class VLLMInterface:
         self._api_key = api_key
         self._transport = transport
         self._lock = threading.Lock()
-        self._version = 0
+        self._version: int | None = None  # None until the first sync
         self._last_good: tuple[int, list[Bucket]] | None = None  # what a restarted server is given
         self._nccl: Any = None
         self._endpoints = [
@@ -411,13 +412,8 @@ class VLLMInterface:
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
         logging to ``run_dir/vllm/`` (a temporary folder without a run)."""
         vllm = config.vllm
-        api_key = None
-        if config.api_key_env:
-            api_key = os.environ.get(config.api_key_env)
-            if not api_key:
-                raise ValueError(f"inference.api_key_env: the environment variable {config.api_key_env} is not set")
         common = dict(config=vllm, request_timeout_s=config.request_timeout_s, max_concurrent=config.max_concurrent,
-                      weight_sync_timeout_s=config.weight_sync_timeout_s, api_key=api_key)  # fmt: skip
+                      weight_sync_timeout_s=config.weight_sync_timeout_s, api_key=api_key_from_env(config))  # fmt: skip
         if config.base_url:
             urls = config.base_url if isinstance(config.base_url, list) else [config.base_url]
             return cls(urls, weights_dir=config.weights_dir, **common)
@@ -443,7 +439,7 @@ class VLLMInterface:
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._version or 0
 
     @property
     def base_urls(self) -> list[str]:
@@ -454,7 +450,7 @@ class VLLMInterface:
     def _check_trainable(self, endpoint: _Endpoint) -> None:
         facts = run_blocking(self._server_facts(endpoint))
         flag = "--weight-transfer-config '{\"backend\": \"%s\"}'"
-        wanted = "nccl" if self.config.transport == "nccl" else TRANSFER_BACKEND
+        wanted = transfer_backend(self.config)
         if facts.get("logprobs_mode") != "processed_logprobs":
             raise UnsupportedServerError(
                 f"vLLM at {endpoint.url} returns {facts.get('logprobs_mode')}, not the logprobs of the "
@@ -587,9 +583,9 @@ class VLLMInterface:
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
-        if not reset and version == self._version and self._last_good is not None:
+        if not reset and version == self._version:
             return
-        if not reset and version < self._version:
+        if not reset and self._version is not None and version < self._version:
             raise WeightSyncError(f"version {version} is older than the served version {self._version}")
         state = _load_state(state_dict_or_path)
         for endpoint in self._endpoints:
