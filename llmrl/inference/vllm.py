@@ -540,24 +540,29 @@ class VLLMInterface:
 
     # -- recovery --------------------------------------------------------------------------------
 
-    def _recover(self, endpoint: _Endpoint) -> bool:
-        """Restart a managed server that stopped answering and give it the last good weights.
-        Returns whether it serves again (False for external servers and spent restarts)."""
+    def _recover(self, endpoint: _Endpoint, weights: tuple[int, list[Bucket]] | None = None) -> bool:
+        """Make a managed server that failed serve again: restart it when it no longer answers, then
+        give it `weights` (a sync it failed; a healthy server is given them again) or, after a
+        restart without them, the last good weights. Returns whether it serves (False for external
+        servers and spent restarts)."""
         server = endpoint.server
         if server is None:
             return False
         with endpoint.restart_lock:
-            if server.alive() and run_blocking(self._healthy(endpoint)):
-                return True  # another request restarted it meanwhile, or it was a passing failure
-            if endpoint.restarts >= self.config.max_restarts:
+            restart = not (server.alive() and run_blocking(self._healthy(endpoint)))
+            if restart and endpoint.restarts >= self.config.max_restarts:
                 return False
-            endpoint.restarts += 1
+            # A healthy server after a failed request: another request restarted it meanwhile, or
+            # the failure passed. Nothing to give it unless a sync failed.
+            target = weights if weights is not None else (self._last_good if restart else None)
             endpoint.open.clear()
             try:
-                server.stop()
-                server.start()
-                if self._last_good is not None:
-                    version, buckets = self._last_good
+                if restart:
+                    endpoint.restarts += 1
+                    server.stop()
+                    server.start()
+                if target is not None:
+                    version, buckets = target
                     run_in_new_loop(self._sync_endpoint(endpoint, buckets, version, gate=False))
             finally:
                 endpoint.open.set()
@@ -624,16 +629,9 @@ class VLLMInterface:
         )
         failures = [(e, r) for e, r in zip(self._endpoints, results, strict=True) if isinstance(r, BaseException)]
         for endpoint, error in failures:
-            if not await asyncio.to_thread(self._recover_with, endpoint, buckets, version):
+            if not await asyncio.to_thread(self._recover, endpoint, (version, buckets)):
                 raise error if isinstance(error, WeightSyncError) else WeightSyncError(
                     f"weight sync to vLLM at {endpoint.url} failed: {error}")  # fmt: skip
-
-    def _recover_with(self, endpoint: _Endpoint, buckets: list[Bucket], version: int) -> bool:
-        """A managed server that failed a sync is restarted and given these weights."""
-        if not self._recover(endpoint):
-            return False
-        run_in_new_loop(self._sync_endpoint(endpoint, buckets, version))
-        return True
 
     async def _sync_endpoint(self, endpoint: _Endpoint, buckets: list[Bucket], version: int, *, gate: bool = True) -> None:
         if gate:
