@@ -28,6 +28,7 @@ import torch
 
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.inference.openai import WeightSyncError
+from llmrl.inference.vllm import free_port
 
 if TYPE_CHECKING:
     from llmrl.inference.vllm import VLLMInterface, _Endpoint
@@ -135,10 +136,8 @@ class NCCLSync:
         self.control = ServersControl(interface, endpoints, offsets)
         self.source = StateSource()
         address = _master_address([e.url for e in endpoints])
-        with socket.socket() as probe:
-            probe.bind((address, 0))
-            port = probe.getsockname()[1]
-        info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + sum(world_sizes), rank=0)
+        info = NCCLTrainerInitInfo(master_address=address, master_port=free_port(address),
+                                   world_size=1 + sum(world_sizes), rank=0)  # fmt: skip
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=self.control, source=self.source.as_weight_source()
         )
