@@ -487,10 +487,10 @@ def _error_message(response: httpx.Response) -> str:
     return str(data)[:500]
 
 
-def _save_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
-    """Write `state` to `path` atomically (a temporary name in the same folder, then a rename)."""
+def safetensors_ready(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` as safetensors can write it: CPU, contiguous, and tensors that share memory (tied
+    weights, which safetensors refuses to write) copied apart."""
     import torch
-    from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
@@ -498,14 +498,20 @@ def _save_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
         tensor = value.detach().to("cpu").contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in storages:  # tied weights share memory, which safetensors refuses to write
+        if tensor.untyped_storage().data_ptr() in storages:
             tensor = tensor.clone()
         storages.add(tensor.untyped_storage().data_ptr())
         tensors[key] = tensor
+    return tensors
+
+
+def _save_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
+    """Write `state` to `path` atomically (a temporary name in the same folder, then a rename)."""
+    from safetensors.torch import save_file
+
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        save_file(tensors, str(partial), metadata={"policy_version": str(version)})
+        save_file(safetensors_ready(state), str(partial), metadata={"policy_version": str(version)})
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

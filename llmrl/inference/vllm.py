@@ -64,6 +64,7 @@ from llmrl.inference.openai import (
     WeightSyncError,
     _error_message,
     api_key_from_env,
+    safetensors_ready,
 )
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weight_checks import weight_problem
@@ -612,7 +613,7 @@ class VLLMInterface:
         sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
         buckets = []
         for index, names in enumerate(weight_buckets(list(state), sizes, self.config.bucket_mb << 20)):
-            tensors = {name: _sendable(state[name]) for name in names}
+            tensors = safetensors_ready({name: state[name] for name in names})
             if self.config.transport == "disk":
                 assert self.weights_dir is not None
                 self.weights_dir.mkdir(parents=True, exist_ok=True)
@@ -744,11 +745,6 @@ class VLLMInterface:
 async def _wait_open(gate: threading.Event) -> None:
     if not gate.is_set():
         await asyncio.to_thread(gate.wait)
-
-
-def _sendable(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy (safetensors refuses tensors that share storage, as tied ones do)."""
-    return tensor.detach().to("cpu", copy=True).contiguous()
 
 
 def _load_state(state_dict_or_path: dict[str, Any] | str | Path) -> dict[str, torch.Tensor]:
