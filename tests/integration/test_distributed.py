@@ -70,7 +70,10 @@ def test_two_processes_train_like_one(runs):
     one, two = losses(runs[1]), losses(runs[2])
     assert len(one) == len(two) == STEPS
     assert two == pytest.approx(one, rel=1e-5, abs=1e-7)
-    assert abs(one[0]) > 1e-3  # a real loss, not only the zeros of groups without signal
+    # Real losses, not only the zeros of groups without signal. Any step: with today's tiny model the
+    # first step's loss is ~2e-9 (at ratio 1 the zero-mean group advantages can all but cancel); later
+    # steps' are not.
+    assert max(abs(loss) for loss in one) > 1e-3
     rows = read_metrics(runs[2] / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # rank 0 alone writes the run folder
     assert_close_weights(weights(runs[2]), weights(runs[1]))
