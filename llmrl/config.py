@@ -37,7 +37,7 @@ class ModelConfig(Section):
     spec: str = "tiny://arithmetic"
     """`tiny://arithmetic` (the built-in model), a local folder, or a Hugging Face hub id."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the policy; float32 gives bitwise-reproducible runs on CPU."""
+    """Compute dtype: the forward and backward passes run in it (autocast in one process, FSDP2's mixed precision over several), the embedded engine and vLLM serve in it, and checkpoints' Hugging Face folders are written in it. The policy's own weights and optimizer state are kept in `training.master_dtype`. float32 gives bitwise-reproducible runs on CPU."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel passed to transformers."""
     trust_remote_code: bool = False
@@ -212,6 +212,12 @@ class TrainingConfig(Section):
     """Use deterministic kernels so that the same config gives the same numbers."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the policy trains; `auto` picks CUDA when available."""
+    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the policy's weights, gradients and optimizer state (the master weights). float32 keeps small updates that a bfloat16 weight would round away (at lr 1e-6 most of them); setting it to `model.dtype` halves that memory at this cost. Either float32 or the same as `model.dtype`."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations during the backward pass instead of keeping them: same loss and gradients, less memory (docs/training.md has the measured ratio), about one more forward pass of time."""
+    tf32: bool = True
+    """Let CUDA float32 matmuls and convolutions use TF32 tensor cores (about 10 mantissa bits in the products); no effect on CPU."""
 
 
 class EvaluationConfig(Section):
@@ -301,6 +307,16 @@ class RunConfig(Section):
             raise ValueError(
                 "training.group_size: 1 leaves every rollout alone in its group, so its baseline is its own "
                 "reward and every advantage is 0 (nothing is learned); use 2 or more"
+            )
+        if training.master_dtype not in ("float32", self.model.dtype):
+            raise ValueError(
+                f"training.master_dtype: {training.master_dtype!r} must be float32 or model.dtype "
+                f"({self.model.dtype!r}): weights are kept at least as precise as the compute"
+            )
+        if self.model.dtype == "float16" and training.master_dtype == "float32":
+            raise ValueError(
+                "model.dtype: float16 compute over float32 master weights needs loss scaling, which llmrl does "
+                "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
         if training.mini_batches > training.prompts_per_step * training.group_size:
             raise ValueError(

@@ -194,15 +194,18 @@ def token_logprobs(
         use_cache=False,
     ).last_hidden_state  # (R, T, H)
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
-    logprobs, entropies = logprobs_from_hidden(
-        hidden[rows, batch.context_positions[rows, columns]],  # (N, H)
-        lm_head.weight,
-        batch.input_ids[rows, columns],  # (N,)
-        temperature if isinstance(temperature, int | float) else temperature.map(lambda t: t[rows, columns]),
-        lm_head_bias=lm_head.bias,
-        with_entropy=with_entropy,
-        chunk_size=chunk_size,
-    )
+    # The LM head runs in its weight's dtype even under autocast: float32 master weights give
+    # float32 logits, as without autocast.
+    with torch.autocast(hidden.device.type, enabled=False):
+        logprobs, entropies = logprobs_from_hidden(
+            hidden[rows, batch.context_positions[rows, columns]].to(lm_head.weight.dtype),  # (N, H)
+            lm_head.weight,
+            batch.input_ids[rows, columns],  # (N,)
+            temperature if isinstance(temperature, int | float) else temperature.map(lambda t: t[rows, columns]),
+            lm_head_bias=lm_head.bias,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size,
+        )
     placed = torch.zeros(batch.loss_mask.shape, dtype=logprobs.dtype, device=logprobs.device)
     if entropies is not None:
         entropies = placed.index_put((rows, columns), entropies)

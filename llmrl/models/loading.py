@@ -10,7 +10,13 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 TINY_SCHEME = "tiny://"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,3 +98,24 @@ def export_model(spec: str, output_dir: str | Path, *, dtype: str | torch.dtype 
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     return output
+
+
+def empty_model(
+    spec: str, *, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """The model `spec` names, built on the meta device: its shapes and parameter counts, no weights."""
+    config = AutoConfig.from_pretrained(resolve_model_spec(spec), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, trust_remote_code=trust_remote_code
+        )
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in the backward pass (train mode only), non-reentrant: it composes
+    with FSDP2's hooks and with inputs that need no gradient. transformers renamed the method in 5.x."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -3,6 +3,9 @@
 Layout of ``RUN_DIR/checkpoints/step_000020/``::
 
     model/              the policy as a plain Hugging Face folder (safetensors, config, tokenizer)
+                        in the compute dtype (`model.dtype`), ready for vLLM or transformers
+    master.safetensors  one process with master weights in another dtype (`training.master_dtype`)
+                        only: the master weights, which a resumed run continues from
     trainer_state.pt    step, optimizer, LR schedule, RNG states, agent sampler cursors, evaluations
     config.yaml         the resolved run config
     sharded/            runs over several processes only: model and optimizer state written with
@@ -20,6 +23,7 @@ newest `keep_last` checkpoints are kept.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-"
 TRAINER_STATE = "trainer_state.pt"
+MASTER_WEIGHTS = "master.safetensors"
 SHARDED_STATE = "sharded"
 
 
@@ -76,13 +82,31 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     keep_last: int,
+    model_state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write the checkpoint of `step` atomically, then delete all but the newest `keep_last`."""
+    """Write the checkpoint of `step` atomically, then delete all but the newest `keep_last`.
+
+    `model_state` and `dtype` as for `write_checkpoint_files`; weights of another dtype than `dtype`
+    (master weights) are also kept as they are, for `load_master_weights`."""
     temp = start_checkpoint(run_dir, step)
     write_checkpoint_files(
-        temp, model=model, tokenizer=tokenizer, trainer_state=trainer_state, config_yaml=config_yaml
-    )
+        temp, model=model, tokenizer=tokenizer, trainer_state=trainer_state, config_yaml=config_yaml,
+        model_state=model_state, dtype=dtype,
+    )  # fmt: skip
+    state = model_state if model_state is not None else model.state_dict()
+    if dtype is not None and any(value.dtype != dtype for value in state.values() if value.is_floating_point()):
+        save_file({name: value.contiguous() for name, value in state.items()}, temp / MASTER_WEIGHTS)
     return finish_checkpoint(run_dir, step, temp, keep_last=keep_last)
+
+
+def load_master_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
+    """Put a one-process checkpoint's master weights into `model` (loaded from its compute-dtype
+    folder), if it kept any."""
+    path = Path(checkpoint) / MASTER_WEIGHTS
+    if path.is_file():
+        with torch.no_grad():
+            model.load_state_dict(load_file(path, device=str(next(model.parameters()).device)), strict=False)
 
 
 def start_checkpoint(run_dir: str | Path, step: int) -> Path:
@@ -104,10 +128,20 @@ def write_checkpoint_files(
     trainer_state: dict[str, Any],
     config_yaml: str,
     model_state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """The model folder, trainer state and config; `model_state` (the full weights) replaces the
-    model's own state dict (a sharded model's)."""
+    model's own state dict (a sharded model's). With `dtype`, the folder's floating-point weights
+    are written in it and its config names it (not the dtype of the weights handed over)."""
+    if dtype is not None:
+        source = model_state if model_state is not None else model.state_dict()
+        model_state = {name: value.to(dtype) if value.is_floating_point() else value for name, value in source.items()}
     model.save_pretrained(temp / "model", safe_serialization=True, state_dict=model_state)
+    if dtype is not None:
+        config_path = temp / "model" / "config.json"
+        config = json.loads(config_path.read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(temp / "model")
     torch.save(trainer_state, temp / TRAINER_STATE)
     (temp / "config.yaml").write_text(config_yaml)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -123,16 +123,21 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+    def shard(self, model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
         """Shard `model` in place with FSDP2: each block its class names as unsplittable, then the root.
 
         Gradients are summed across ranks, not averaged: the loss is normalised globally already.
+        With `compute_dtype`, each block's gathered parameters are cast to it for the forward and
+        backward passes, while the shards (the master weights) keep their dtype and gradients are
+        reduced in float32.
         """
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype else None
+        options = {"mesh": self.mesh} | ({"mp_policy": policy} if policy else {})
         blocks = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in blocks:
-                fully_shard(module, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+                fully_shard(module, **options)
+        fully_shard(model, **options)
         # `token_logprobs` runs the backbone and applies the LM head itself, never the root's forward;
         # the backbone is run through a method that FSDP treats as the root's forward instead.
         model.sharded_backbone = types.MethodType(_run_backbone, model)

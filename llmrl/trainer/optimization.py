@@ -26,6 +26,7 @@ ranks. The old/reference logprobs are computed the same way, shared out and gath
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -125,7 +126,11 @@ class PolicyUpdate:
         pad_token_id: int,
         reference: torch.nn.Module | None = None,
         distributed: Distributed | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
+        """`compute_dtype`: the dtype forward and backward passes run in, when it is not the policy's
+        parameter dtype (the master weights'): one process runs them under autocast; sharded models
+        cast on their own (FSDP2's `MixedPrecisionPolicy`, set by `Distributed.shard`)."""
         self.policy = policy
         self.distributed = distributed
         self.optimizer = optimizer
@@ -143,6 +148,10 @@ class PolicyUpdate:
         automatic = "truncate" if training.generation_lag > 0 else None
         self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
         self.device = next(policy.parameters()).device
+        master_dtype = next(policy.parameters()).dtype
+        self._autocast_dtype = (
+            compute_dtype if distributed is None and compute_dtype not in (None, master_dtype) else None
+        )
         self._policy_forward = policy if distributed is None else ShardedCausalLM(policy)
         self._reference_forward = (
             reference if distributed is None or reference is None else ShardedCausalLM(reference)
@@ -275,7 +284,7 @@ class PolicyUpdate:
     ) -> None:
         """A forward (and backward) pass that changes nothing, for FSDP's collectives to match up."""
         packed = self._build(sequences, masks, [[index]])
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), self._compute():
             logprobs, _ = token_logprobs(model, packed, self._token_sampling(packed))
             if backward:
                 (logprobs.sum() * 0.0).backward()
@@ -294,7 +303,8 @@ class PolicyUpdate:
             if packed is None:
                 self._idle_pass(model, sequences, masks, indices[0], backward=False)
                 continue
-            logprobs, _ = token_logprobs(model, packed, self._token_sampling(packed))
+            with self._compute():
+                logprobs, _ = token_logprobs(model, packed, self._token_sampling(packed))
             for i, per_token in unpack(logprobs, packed).items():
                 values[i] = per_token.cpu()
         if self.distributed is not None:  # every rank trains on other shares in later passes
@@ -314,9 +324,10 @@ class PolicyUpdate:
         inference: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.algorithm
-        logprobs, entropies = token_logprobs(
-            self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
-        )
+        with self._compute():
+            logprobs, entropies = token_logprobs(
+                self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
+            )
         if algorithm.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
         return policy_loss(
@@ -341,6 +352,12 @@ class PolicyUpdate:
             is_cap=algorithm.is_cap,
             sequence_ids=packed.sequence_ids,
         )
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        """Where forward passes run in the compute dtype over master weights of another (one process)."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def _token_sampling(self, packed: PackedBatch) -> float | SamplingParams:
         """The step's sampling options laid out like `packed` (each token gets its sequence's)."""

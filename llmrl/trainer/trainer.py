@@ -42,11 +42,13 @@ from llmrl.evaluation import Summary, evaluate_environments
 from llmrl.inference import build_inference, close_inference, run_sync
 from llmrl.logging import MetricsLogger, RolloutLog, Tracer, atomic_write, read_metrics, use_tracer
 from llmrl.models import load_model
+from llmrl.models.loading import DTYPES, empty_model, enable_activation_checkpointing
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.bank import BANK_FILE, RolloutBank
 from llmrl.trainer.distributed import Distributed, tied_duplicates
+from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
@@ -107,14 +109,25 @@ class Trainer:
         checkpoint = _checkpoint_to_resume(config, resume)
         torch.manual_seed(config.seed)
 
+        if device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.training.tf32
+        # The policy holds the master weights; passes run in the compute dtype (`model.dtype`).
+        self.compute_dtype = DTYPES[config.model.dtype]
+        self.memory_plan = self._plan_memory(device)
+        self.memory_plan.check()  # before any weights load
+        self.peak_memory = PeakMemory(device)
         self.policy, self.tokenizer = load_model(
             str(checkpoint[1] / "model") if checkpoint else config.model.spec,
-            dtype=config.model.dtype, device=device, attn_implementation=config.model.attn_implementation,
+            dtype=config.training.master_dtype, device=device, attn_implementation=config.model.attn_implementation,
             trust_remote_code=config.model.trust_remote_code,
         )  # fmt: skip
+        if checkpoint and self.distributed is None:
+            ckpt.load_master_weights(checkpoint[1], self.policy)
+        if config.training.activation_checkpointing:
+            enable_activation_checkpointing(self.policy)
         self.policy.train()
         reference = None
-        if config.algorithm.kl_beta > 0:  # loaded once, never per step
+        if config.algorithm.kl_beta > 0:  # loaded once, never per step; no master copy: it never changes
             reference, _ = load_model(config.model.spec, dtype=config.model.dtype, device=device,
                                       attn_implementation=config.model.attn_implementation,
                                       trust_remote_code=config.model.trust_remote_code)
@@ -122,7 +135,8 @@ class Trainer:
         # Names aliasing another entry (tied embeddings): sent and exported once, under the first name.
         self._tied_names = tied_duplicates(self.policy)
         if self.distributed is not None:
-            self.distributed.shard(self.policy)
+            mixed = self.compute_dtype if self.compute_dtype != self.policy.dtype else None
+            self.distributed.shard(self.policy, compute_dtype=mixed)
             if reference is not None:
                 self.distributed.shard(reference)
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
@@ -134,6 +148,7 @@ class Trainer:
             self.policy, self.optimizer, algorithm=config.algorithm, training=config.training,
             generation_args=generation, max_tokens=generation.max_tokens,
             pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference, distributed=self.distributed,
+            compute_dtype=self.compute_dtype,
         )  # fmt: skip
         if self.is_main:
             self.inference = build_inference(config.inference, config.model, seed=config.seed, run_dir=self.run_dir)
@@ -150,6 +165,19 @@ class Trainer:
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
         self._sync_weights(self.step, reset=True)
         self.resumed = checkpoint is not None
+
+    def _plan_memory(self, device: str) -> MemoryPlan:
+        config = self.config
+        settings = MemorySettings(
+            master_dtype=DTYPES[config.training.master_dtype], compute_dtype=self.compute_dtype,
+            world_size=1 if self.distributed is None else self.distributed.world_size,
+            micro_batch_tokens=config.training.micro_batch_tokens,
+            activation_checkpointing=config.training.activation_checkpointing,
+            reference_model=config.algorithm.kl_beta > 0,
+            engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
+        )  # fmt: skip
+        model = empty_model(config.model.spec, trust_remote_code=config.model.trust_remote_code)
+        return plan_memory(model, settings, device)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -168,6 +196,7 @@ class Trainer:
             display = stack.enter_context(ProgressDisplay(
                 steps, start_step=min(self.step, steps), mode=config.logging.progress if self.is_main else "off",
                 stream=self.progress_stream))  # fmt: skip
+            display.message(self.memory_plan.render())
             # Under torchrun every Ctrl-C reaches a worker twice (from the terminal, then forwarded by torchrun).
             stop_requested = self._agreed(stack.enter_context(
                 _stop_after_step_on_interrupt(display, second_stops_at_once=self.distributed is None)))
@@ -240,6 +269,9 @@ class Trainer:
             self._sync_weights(step)
         step_seconds = time.perf_counter() - started
         self.seconds += step_seconds
+        peaks = [self.peak_memory.take()]
+        if self.distributed is not None:
+            peaks = self.distributed.all_gather_object(peaks[0])
         if not self.is_main:
             return {}
         self._log_rollouts(step, groups, advantages)
@@ -249,7 +281,10 @@ class Trainer:
         metrics |= {f"train/{key}": value for key, value in update.items()}
         metrics |= {"train/lr": learning_rate, "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0))}
         metrics |= {f"agents/{key}": value for key, value in self.agents.pop_metrics().items()}
-        return metrics | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
+        memory = {"memory/peak_gb": max(peaks), "memory/plan_gb": self.memory_plan.total() / GB}
+        if len(peaks) > 1:
+            memory["memory/peak_gb_rank0"] = peaks[0]
+        return metrics | memory | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
 
     def _sync_weights(self, version: int, *, reset: bool = False) -> None:
         """Serve the policy's weights as `version` (over several processes, gathered for rank 0's engine)."""
@@ -322,6 +357,7 @@ class Trainer:
                 ckpt.save_checkpoint(
                     self.run_dir, self.step, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
                     config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
+                    model_state=self._untied(self.policy.state_dict()), dtype=self.compute_dtype,
                 )  # fmt: skip
             else:
                 self._save_sharded()
@@ -341,7 +377,7 @@ class Trainer:
             ckpt.write_checkpoint_files(
                 temp, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
                 config_yaml=dump_config(self.config),
-                model_state=self._untied(weights),
+                model_state=self._untied(weights), dtype=self.compute_dtype,
             )  # fmt: skip
             ckpt.finish_checkpoint(self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last)
         distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place

@@ -3,6 +3,7 @@ and the pure helpers of distributed training."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -10,10 +11,12 @@ import random
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from llmrl.agents.base import placeholder_rollout
 from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
 from llmrl.trainer.optimization import (
@@ -63,10 +66,12 @@ def tiny_policy(seed: int = 0) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).float()
 
 
-def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None):
+def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None, checkpointing=False):
     algorithm = algorithm or AlgorithmConfig()
     training = training or TrainingConfig(lr=0.5, micro_batch_tokens=4096)
     policy = tiny_policy(seed)
+    if checkpointing:
+        enable_activation_checkpointing(policy)
     # Plain SGD: Adam's first step is about lr * sign(gradient), which would magnify rounding noise.
     optimizer = torch.optim.SGD(policy.parameters(), lr=training.lr)
     update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(),
@@ -156,6 +161,86 @@ def test_micro_batch_size_does_not_change_the_update():
         assert_same_weights(big, small)
         assert small_metrics["loss"] == pytest.approx(big_metrics["loss"], abs=1e-6)
         assert big_metrics["num_tokens"] == small_metrics["num_tokens"]
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_changes_nothing():
+    groups = random_groups(4, 4)
+    calls = []
+    for layout in ({}, {"micro_batch_tokens": 40, "pack_row_tokens": 10}, {"share_prefixes": False}):
+        training = TrainingConfig(lr=0.5, **layout)
+        plain, plain_metrics = run_update(groups, training=training)
+        with count_layer_calls(calls):
+            checkpointed, metrics = run_update(groups, training=training, checkpointing=True)
+        assert_same_weights(plain, checkpointed)
+        assert metrics["loss"] == pytest.approx(plain_metrics["loss"], abs=1e-6)
+        # One forward per micro-batch, then one more in the backward pass (the recomputation).
+        micro_batches = calls.count("forward") // 2
+        assert micro_batches >= 1 and calls.count("forward") == 2 * micro_batches
+        calls.clear()
+
+
+@contextlib.contextmanager
+def count_layer_calls(calls: list[str]):
+    """Record a "forward" for every call of a Qwen2 decoder layer's forward while the block runs."""
+    original = Qwen2DecoderLayer.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append("forward")
+        return original(self, *args, **kwargs)
+
+    Qwen2DecoderLayer.forward = counted
+    try:
+        yield
+    finally:
+        Qwen2DecoderLayer.forward = original
+
+
+def test_float32_master_weights_keep_updates_that_bfloat16_weights_round_away():
+    groups = random_groups(4, 4)
+    batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
+    changed = {}
+    for master in (torch.float32, torch.bfloat16):
+        policy = tiny_policy().to(master)
+        before = [p.detach().clone() for p in policy.parameters()]
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+        update = PolicyUpdate(policy, optimizer, algorithm=AlgorithmConfig(), training=TrainingConfig(),
+                              generation_args=GenerationArgs(), max_tokens=8, pad_token_id=0,
+                              compute_dtype=torch.bfloat16)  # fmt: skip
+        metrics = update(batch, torch.Generator().manual_seed(0))
+        assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert all(p.dtype == master for p in policy.parameters())
+        moved = sum(int((p != b).sum()) for p, b in zip(policy.parameters(), before, strict=True))
+        changed[master] = moved / sum(b.numel() for b in before)
+    # Adam moves every weight with a gradient by about lr; bfloat16 resolves 1e-6 only near zero.
+    assert changed[torch.float32] > 0.9
+    assert changed[torch.bfloat16] < 0.1
+
+
+def test_autocast_runs_the_layers_in_the_compute_dtype_and_the_lm_head_in_float32():
+    policy = tiny_policy()
+    seen = {}
+    policy.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.update(layer=o.dtype))
+    groups = random_groups(2, 2)
+    batch, _ = prepare_batch(groups, group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
+    update = PolicyUpdate(policy, torch.optim.SGD(policy.parameters(), lr=0.0), algorithm=AlgorithmConfig(),
+                          training=TrainingConfig(), generation_args=GenerationArgs(), max_tokens=8, pad_token_id=0,
+                          compute_dtype=torch.bfloat16)  # fmt: skip
+    logits_dtypes = []
+    original = torch.nn.functional.linear
+
+    def recording_linear(x, weight, bias=None):
+        out = original(x, weight, bias)
+        if weight is policy.lm_head.weight:
+            logits_dtypes.append(out.dtype)
+        return out
+
+    torch.nn.functional.linear = recording_linear
+    try:
+        update(batch, torch.Generator().manual_seed(0))
+    finally:
+        torch.nn.functional.linear = original
+    assert seen["layer"] == torch.bfloat16
+    assert logits_dtypes and set(logits_dtypes) == {torch.float32}
 
 
 def test_micro_batches_respect_the_token_budget_and_the_row_length():
@@ -323,6 +408,23 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path):
     state = restored.state_dict()["state"][0]
     assert torch.equal(state["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert not math.isnan(float(state["step"]))
+
+
+def test_a_checkpoint_exports_the_compute_dtype_and_keeps_the_master_weights(tmp_path):
+    policy = tiny_policy()
+    folder = ckpt.save_checkpoint(tmp_path, 1, model=policy, tokenizer=FakeTokenizer(), trainer_state={},
+                                  config_yaml="", keep_last=1, dtype=torch.bfloat16)  # fmt: skip
+    exported = Qwen2ForCausalLM.from_pretrained(folder / "model", dtype="auto")
+    assert exported.dtype == torch.bfloat16  # what vLLM and transformers load by default
+    torch.testing.assert_close(exported.lm_head.weight, policy.lm_head.weight.to(torch.bfloat16), rtol=0, atol=0)
+    restored = Qwen2ForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+    assert not torch.equal(restored.lm_head.weight, policy.lm_head.weight)  # rounded through bfloat16
+    ckpt.load_master_weights(folder, restored)
+    assert_same_weights(restored, policy, atol=0)
+    # Weights already in the compute dtype are not written twice.
+    same = ckpt.save_checkpoint(tmp_path, 2, model=policy, tokenizer=FakeTokenizer(), trainer_state={},
+                                config_yaml="", keep_last=1, dtype=torch.float32)  # fmt: skip
+    assert not (same / ckpt.MASTER_WEIGHTS).exists()
 
 
 def test_sharded_state_resumes_in_one_process(tmp_path):

@@ -1,0 +1,246 @@
+"""The memory plan of a run, printed before it starts, and the peak memory measured at each step.
+
+`plan_memory` estimates what one rank holds: the master weights, their gradients and AdamW's two
+moments (all sharded over the ranks under torchrun), the compute-dtype copies the passes use
+(autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
+the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
+cache. The trainer refuses to start when the plan exceeds the device's memory, naming the settings
+that would fit (`MemoryPlan.check`).
+
+Activations are an estimate for decoder-only transformers: per token and layer, what autograd keeps
+of the attention block (the layer input, the normalised input, q, k, v, the attention output) and of
+a gated MLP (gate, up, their product), in the compute dtype, plus the float32 inputs of the two
+RMS norms; with activation checkpointing, each layer's input alone, plus one layer's activations
+while it is recomputed. The LM head's logits are computed in chunks (`llmrl.algorithms.logprobs`),
+so they add a bounded amount. On CPU the process's own memory before the model loads (Python,
+torch, transformers) is part of the plan, as it is part of the resident set measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+from pathlib import Path
+
+import torch
+
+from llmrl.algorithms.logprobs import CHUNK_ELEMENTS
+from llmrl.config import ConfigError
+
+GB = 1e9
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: parameter counts and the sizes of its layers."""
+
+    parameters: int
+    largest_block: int
+    """Parameters of the largest decoder layer (FSDP2 gathers one or two at a time)."""
+    outside_blocks: int
+    """Parameters outside the decoder layers (embeddings, final norm, LM head)."""
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_channels: int
+    """Key (or value) channels per token and layer: kv heads x head dim."""
+    vocab: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelShape:
+        """The shape of `model`, which may live on the meta device."""
+        config = model.config
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        unique = {id(p): p.numel() for p in model.parameters()}
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+        experts_per_token = getattr(config, "num_experts_per_tok", None) or 1
+        return cls(
+            parameters=sum(unique.values()),
+            largest_block=max(block_sizes, default=0),
+            outside_blocks=sum(unique.values()) - sum(block_sizes),
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=intermediate * experts_per_token,
+            kv_channels=kv_heads * head_dim,
+            vocab=config.vocab_size,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySettings:
+    """The run settings the plan depends on."""
+
+    master_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    world_size: int
+    micro_batch_tokens: int
+    activation_checkpointing: bool
+    reference_model: bool
+    engine_tokens: int | None
+    """KV-cache tokens of the embedded engine on rank 0; None when inference is elsewhere."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one rank holds, by what holds them; `rank0` adds the embedded engine."""
+
+    shape: ModelShape
+    settings: MemorySettings
+    device: str
+    device_bytes: int
+    baseline_bytes: int
+    """The process before the model loads (CPU only: torch and Python count in its resident set)."""
+
+    def terms(self, *, rank0: bool) -> dict[str, int]:
+        shape, s = self.shape, self.settings
+        master, compute = _BYTES[s.master_dtype], _BYTES[s.compute_dtype]
+        shards = shape.parameters / s.world_size
+        terms = {"parameters": shards * master, "gradients": shards * master, "optimizer": 2 * shards * master}
+        if s.world_size > 1:  # the root's parameters stay gathered; two blocks at a time with prefetch
+            terms["gathered"] = (shape.outside_blocks + 2 * shape.largest_block) * compute
+        elif compute != master:  # autocast's casts, kept for the backward pass
+            terms["gathered"] = shape.parameters * compute
+        if s.reference_model:
+            terms["reference"] = shape.parameters / s.world_size * compute
+        terms["activations"] = self._activations()
+        if rank0 and s.engine_tokens is not None:
+            terms["engine"] = shape.parameters * compute + 2 * s.engine_tokens * shape.layers * shape.kv_channels * compute
+        if self.device == "cpu":
+            terms["process"] = self.baseline_bytes
+        return {name: int(value) for name, value in terms.items()}
+
+    def _activations(self) -> float:
+        shape, s = self.shape, self.settings
+        compute = _BYTES[s.compute_dtype]
+        tokens = s.micro_batch_tokens
+        per_layer = tokens * (compute * (5 * shape.hidden + 2 * shape.kv_channels + 3 * shape.intermediate)
+                              + 4 * 2 * shape.hidden)
+        if s.activation_checkpointing:
+            kept = tokens * shape.layers * shape.hidden * 4 + per_layer
+        else:
+            kept = per_layer * shape.layers
+        # chunked LM head: a chunk's float32 logits, log-softmax and gradient, plus the last hidden states
+        head = 3 * 4 * min(CHUNK_ELEMENTS, tokens * shape.vocab) + tokens * shape.hidden * 4
+        return kept + head
+
+    def total(self, *, rank0: bool = True) -> int:
+        return sum(self.terms(rank0=rank0).values())
+
+    def fits(self) -> bool:
+        return self.total(rank0=True) <= self.device_bytes
+
+    def render(self) -> str:
+        """The plan as a small table (GB), rank 0 beside the other ranks when there are several."""
+        ranks = [("rank 0", True)] + ([("other ranks", False)] if self.settings.world_size > 1 else [])
+        columns = [self.terms(rank0=rank0) for _, rank0 in ranks]
+        names = list(columns[0])
+        width = max(len(n) for n in [*names, "total"]) + 2
+        lines = [f"memory plan per rank ({self.device}, {self.device_bytes / GB:.1f} GB; "
+                 f"{self.shape.parameters / 1e6:.1f}M parameters, {self.settings.world_size} process(es)):",
+                 " " * width + "".join(f"{label:>14}" for label, _ in ranks)]  # fmt: skip
+        for name in names:
+            lines.append(f"{name:<{width}}" + "".join(f"{column.get(name, 0) / GB:>11.3f} GB" for column in columns))
+        lines.append(f"{'total':<{width}}" + "".join(f"{sum(c.values()) / GB:>11.3f} GB" for c in columns))
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise `ConfigError` with the plan and the settings that would fit when it does not fit."""
+        if self.fits():
+            return
+        raise ConfigError(
+            f"the run needs about {self.total() / GB:.1f} GB per rank but {self.device} has "
+            f"{self.device_bytes / GB:.1f} GB\n{self.render()}\n{self._what_would_fit()}"
+        )
+
+    def _what_would_fit(self) -> str:
+        s = self.settings
+        options: list[tuple[str, MemorySettings]] = []
+        if not s.activation_checkpointing:
+            options.append(("training.activation_checkpointing: true", dataclasses.replace(s, activation_checkpointing=True)))
+        tokens = s.micro_batch_tokens // 2
+        while tokens >= 256:
+            options.append((f"training.micro_batch_tokens: {tokens}", dataclasses.replace(s, micro_batch_tokens=tokens)))
+            tokens //= 2
+        if s.master_dtype != s.compute_dtype:
+            compute = str(s.compute_dtype).removeprefix("torch.")
+            options.append((f"training.master_dtype: {compute} (loses small updates)",
+                            dataclasses.replace(s, master_dtype=s.compute_dtype)))
+        if s.engine_tokens is not None:
+            options.append(("inference on vLLM or a server (inference.type: vllm)", dataclasses.replace(s, engine_tokens=None)))
+        for processes in (2, 4, 8, 16, 32, 64):
+            if processes > s.world_size:
+                options.append((f"{processes} processes (torchrun --nproc-per-node, or more nodes)",
+                                dataclasses.replace(s, world_size=processes)))
+        fitting = [label for label, settings in options if dataclasses.replace(self, settings=settings).fits()]
+        if not fitting:
+            return ("no single change of activation checkpointing, micro-batch tokens, master dtype, inference "
+                    "or process count makes it fit: combine them, or use more GPUs or a smaller model")
+        return "each of these alone would fit: " + "; ".join(fitting[:4])
+
+
+def plan_memory(model: torch.nn.Module, settings: MemorySettings, device: str) -> MemoryPlan:
+    """The memory plan of training `model` (on the meta device or loaded) with `settings` on `device`."""
+    return MemoryPlan(ModelShape.of(model), settings, device, device_memory(device),
+                      resident_bytes() if device == "cpu" else 0)  # fmt: skip
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory of `device`: this process's GPU, or the machine's RAM (its cgroup's limit when lower)."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    if limit.is_file() and limit.read_text().strip().isdigit():
+        return min(physical, int(limit.read_text()))
+    return physical
+
+
+def resident_bytes() -> int:
+    """This process's resident set now."""
+    return _process_status("VmRSS")
+
+
+class PeakMemory:
+    """Peak memory of this process since the last `take()`: CUDA's allocator peak on a GPU, else the
+    resident set's high-water mark (reset through /proc/self/clear_refs where Linux allows)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self._resettable = device == "cpu" and _reset_rss_peak()
+        self.take()
+
+    def take(self) -> float:
+        """The peak in GB since the previous call, and start a new period."""
+        if self.device == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return peak / GB
+        peak = _process_status("VmHWM")
+        if self._resettable:
+            _reset_rss_peak()
+        return peak / GB
+
+
+def _process_status(field: str) -> int:
+    """A memory field of /proc/self/status in bytes (the lifetime peak where there is no such file)."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else ():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # "5" resets the high-water mark only
+    except OSError:
+        return False
+    return True
+

@@ -1,0 +1,94 @@
+"""The memory plan printed before a run, its refusal with settings that fit, and the measured peak."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from llmrl.config import ConfigError
+from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, ModelShape, PeakMemory, plan_memory
+
+
+def meta_model(tied: bool = False) -> Qwen2ForCausalLM:
+    config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(config)
+
+
+def settings(**changes) -> MemorySettings:
+    base = MemorySettings(master_dtype=torch.float32, compute_dtype=torch.bfloat16, world_size=1,
+                          micro_batch_tokens=4096, activation_checkpointing=False, reference_model=False,
+                          engine_tokens=8192)  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def test_the_shape_counts_every_parameter_once_and_sizes_the_layers():
+    for tied in (False, True):
+        model = meta_model(tied)
+        shape = ModelShape.of(model)
+        assert shape.parameters == sum(p.numel() for p in model.parameters())  # a tied head counts once
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        assert shape.largest_block == layer
+        assert shape.outside_blocks == shape.parameters - 3 * layer
+        assert (shape.layers, shape.hidden, shape.kv_channels) == (3, 64, 32)
+
+
+def test_sharded_terms_divide_by_the_processes_and_the_engine_is_rank_zeros():
+    model = meta_model()
+    one = plan_memory(model, settings(), "cpu").terms(rank0=True)
+    plan = plan_memory(model, settings(world_size=4), "cpu")
+    rank0, other = plan.terms(rank0=True), plan.terms(rank0=False)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert one["parameters"] == parameters * 4 and one["optimizer"] == parameters * 8
+    for name in ("parameters", "gradients", "optimizer"):
+        assert rank0[name] == pytest.approx(one[name] / 4, abs=1)
+    assert rank0["engine"] > 0 and "engine" not in other
+    assert "engine" not in plan_memory(model, settings(engine_tokens=None), "cpu").terms(rank0=True)
+    assert one["gathered"] == parameters * 2  # autocast's bfloat16 casts of float32 weights
+    assert "gathered" not in plan_memory(model, settings(compute_dtype=torch.float32), "cpu").terms(rank0=True)
+
+
+def test_activation_checkpointing_lowers_the_activations_and_the_reference_adds_a_copy():
+    model = meta_model()
+    kept = plan_memory(model, settings(), "cpu").terms(rank0=True)
+    checkpointed = plan_memory(model, settings(activation_checkpointing=True), "cpu").terms(rank0=True)
+    assert checkpointed["activations"] < kept["activations"]
+    half = plan_memory(model, settings(micro_batch_tokens=2048), "cpu").terms(rank0=True)
+    assert half["activations"] < kept["activations"]
+    with_reference = plan_memory(model, settings(reference_model=True), "cpu").terms(rank0=True)
+    assert with_reference["reference"] == sum(p.numel() for p in model.parameters()) * 2
+
+
+def test_a_plan_over_the_device_is_refused_with_the_numbers_and_what_would_fit():
+    plan = plan_memory(meta_model(), settings(), "cuda" if torch.cuda.is_available() else "cpu")
+    checkpointed = dataclasses.replace(plan, settings=settings(activation_checkpointing=True))
+    between = (checkpointed.total() + plan.total()) // 2
+    tight = dataclasses.replace(plan, device_bytes=between)
+    with pytest.raises(ConfigError) as error:
+        tight.check()
+    message = str(error.value)
+    assert f"{plan.total() / GB:.1f} GB per rank" in message and "activations" in message
+    assert "training.activation_checkpointing: true" in message
+    dataclasses.replace(plan, device_bytes=plan.total()).check()  # exactly enough passes
+    hopeless = dataclasses.replace(plan, device_bytes=1)
+    with pytest.raises(ConfigError, match="no single change"):
+        hopeless.check()
+
+
+def test_the_plan_renders_one_column_per_kind_of_rank():
+    one = plan_memory(meta_model(), settings(), "cpu").render()
+    assert "rank 0" in one and "other ranks" not in one and "total" in one
+    several = MemoryPlan(ModelShape.of(meta_model()), settings(world_size=2), "cpu", 10**12, 0).render()
+    assert "other ranks" in several and "2 process(es)" in several
+
+
+def test_peak_memory_sees_a_large_allocation_and_starts_a_new_period():
+    peak = PeakMemory("cpu")
+    baseline = peak.take()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+    del block
+    assert peak.take() >= baseline + 0.05
