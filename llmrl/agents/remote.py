@@ -44,17 +44,19 @@ from pydantic import BaseModel, ValidationError
 
 from llmrl.agents.base import Agent, placeholder_rollout
 from llmrl.inference.interface import InferenceInterface, run_blocking
-from llmrl.server.env_server import (
+from llmrl.types import (
     AgentStates,
     EvaluateRequest,
     EvaluateResponse,
+    EvaluationResponse,
+    GenerationArgs,
     GroupRolloutsRequest,
     GroupRolloutsResponse,
     InferenceEndpoint,
+    RolloutGroup,
     ServerInfo,
     check_http_url,
 )
-from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup
 
 log = logging.getLogger(__name__)
 
