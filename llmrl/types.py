@@ -20,6 +20,7 @@ reproduce (the penalties and `min_tokens`) are refused for training.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -33,6 +34,11 @@ MAX_POLICY_VERSION = 2**63 - 1
 
 FinishReason = Literal["stop", "length", "abort"]
 RolloutStatus = Literal["ok", "placeholder", "failed"]
+
+
+def validation_problems(errors: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
+    """pydantic's `errors()` as one line: ``{prefix}{loc.path}: {message}`` for each, joined by ``; ``."""
+    return "; ".join(f"{prefix}{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in errors)
 
 
 class WireModel(BaseModel):

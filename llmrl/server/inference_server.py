@@ -46,6 +46,7 @@ from llmrl.types import (
     InferenceRequest,
     InferenceResponse,
     WeightsByPath,
+    validation_problems,
 )
 
 MIB = 1024**2
@@ -90,7 +91,7 @@ class _InferenceServer:
             request = self._inference_request(body, prompt)
             responses = await self.engine.agenerate(request)
         except ValidationError as exc:
-            raise RequestRefused(400, _validation_message(exc)) from None
+            raise RequestRefused(400, validation_problems(exc.errors())) from None
         except ValueError as exc:  # the engine's verdict on this request (prompt too long, ...)
             raise RequestRefused(400, str(exc)) from None
         return JSONResponse(self._openai_response(body, responses, chat))
@@ -260,10 +261,6 @@ def _refuse_unsupported(body: GenerationFields) -> None:
         value = extra.get(name)
         if value and value != _NEUTRAL_VALUES.get(name):
             raise RequestRefused(400, f"{name} is not supported by this server (got {value!r})")
-
-
-def _validation_message(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
 
 
 def _query_version(request: Request) -> int:
