@@ -283,7 +283,7 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
 def run_llmrl(spec: WorkerSpec) -> dict[str, Any]:
     """llmrl's trainer, configured from the built-in demo config with overrides."""
     from llmrl.config import load_config
-    from llmrl.logging import read_jsonl, read_metrics
+    from llmrl.telemetry import read_jsonl, read_metrics
     from llmrl.trainer import Trainer
 
     setting = spec.setting

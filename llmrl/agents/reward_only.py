@@ -45,8 +45,8 @@ from pydantic import ValidationError
 from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, request_args
 from llmrl.agents.sampler import EpochSampler
 from llmrl.inference.interface import InferenceInterface
-from llmrl.logging import trace_span
 from llmrl.rewards.functions import Reward
+from llmrl.telemetry import trace_span
 from llmrl.types import (
     ChatMessage,
     EvaluationResponse,

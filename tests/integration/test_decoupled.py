@@ -10,7 +10,7 @@ import pytest
 from servers import serving
 
 from llmrl.config import load_config
-from llmrl.logging import read_jsonl, read_metrics
+from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
 
 pytestmark = pytest.mark.slow
