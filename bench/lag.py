@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llmrl.logging import read_metrics
+from llmrl.telemetry import read_metrics
 
 RUN = """
 import sys

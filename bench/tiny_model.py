@@ -18,9 +18,9 @@ import tempfile
 
 import torch
 
-from llmrl.envs.arithmetic import sample_problems
 from llmrl.models import TINY_MODELS, build_tiny_model, load_model
 from llmrl.models.tiny import evaluate_accuracy
+from llmrl.tasks.arithmetic import sample_problems
 
 
 def main() -> None:

@@ -1,5 +1,9 @@
 """Wire types: the only objects that cross process boundaries (agents <-> inference <-> trainer).
 
+This is the one module for every HTTP boundary's bodies too (the environment server's requests and
+responses, the inference server's OpenAI-compatible bodies), so that a client and its server import
+them from the bottom layer rather than from each other.
+
 Every type is a pydantic v2 model that forbids unknown fields, so a typo in a request or a
 config is an error naming the field instead of a silently ignored value. All of them round-trip
 through JSON (`model_dump_json` / `model_validate_json`).
@@ -16,9 +20,11 @@ reproduce (the penalties and `min_tokens`) are refused for training.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 MIN_TEMPERATURE = 1e-5
 """Smallest temperature above 0: below it ``logits / T`` overflows float32 (NaN probabilities); 0 is greedy."""
@@ -28,6 +34,11 @@ MAX_POLICY_VERSION = 2**63 - 1
 
 FinishReason = Literal["stop", "length", "abort"]
 RolloutStatus = Literal["ok", "placeholder", "failed"]
+
+
+def validation_problems(errors: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
+    """pydantic's `errors()` as one line: ``{prefix}{loc.path}: {message}`` for each, joined by ``; ``."""
+    return "; ".join(f"{prefix}{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in errors)
 
 
 class WireModel(BaseModel):
@@ -290,6 +301,26 @@ class EvaluationResult(WireModel):
         return self
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n is correct.
+
+    The unbiased estimator of Chen et al., "Evaluating Large Language Models Trained on Code" (2021):
+    pass@k = 1 - C(n-c, k) / C(n, k). The ratio of binomials is evaluated as a running product,
+    prod_{i=n-c+1}^{n} (1 - k/i), which never forms the (huge) binomial coefficients and so stays
+    exact to float precision for any n.
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
+    if n - c < k:
+        return 1.0
+    failure = 1.0
+    for i in range(n - c + 1, n + 1):
+        failure *= 1.0 - k / i
+    return 1.0 - failure
+
+
 class EvaluationResponse(WireModel):
     """All evaluation results of one environment, and the metrics derived from them."""
 
@@ -304,8 +335,6 @@ class EvaluationResponse(WireModel):
         Failed samples are not scored: the rest are, and a problem left with fewer than k scored
         samples has no pass@k. `failed_samples` says how many there were (0 when none).
         """
-        from llmrl.agents.pass_at_k import pass_at_k
-
         metrics: dict[str, float] = {}
         if not self.results:
             return metrics
@@ -327,3 +356,170 @@ class EvaluationResponse(WireModel):
         if greedy:
             metrics["greedy_accuracy"] = sum(r >= self.correct_threshold for r in greedy) / len(greedy)
         return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment server (llmrl.server.env_server) and its client (llmrl.agents.remote)
+
+
+def check_http_url(url: str) -> str:
+    """`url` if it is an http(s) URL with a host and no credentials in it, else ValueError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
+    if parts.username or parts.password:
+        raise ValueError("must not contain credentials (pass tokens by environment variable)")
+    return url
+
+
+class InferenceEndpoint(BaseModel):
+    """The OpenAI-compatible server the environments call back to sample completions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)  # frozen: hashable, a cache key
+
+    base_url: str = Field(max_length=2048, description="e.g. http://10.0.0.5:8000/v1 (http or https).")
+    model: str | None = Field(None, max_length=512, description="Model name sent in each request, if any.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        return check_http_url(url)
+
+
+class GroupRolloutsRequest(WireModel):
+    """`num_groups` training problems, `group_size` scored samples each."""
+
+    num_groups: StrictInt = Field(ge=1, le=1024)
+    group_size: StrictInt = Field(ge=1, le=256)
+    generation_args: GenerationArgs | None = None
+    inference: InferenceEndpoint
+    env_id: str | None = Field(
+        None, max_length=256, description="One environment; null mixes the training environments by weight."
+    )
+
+
+class GroupRolloutsResponse(WireModel):
+    groups: list[RolloutGroup]
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The environments' failure counters since the last call, keyed env_id/name.",
+    )
+
+
+class EvaluateRequest(WireModel):
+    """Held-out evaluation with pass@k, as `WeightedMultiTask.evaluate` does it."""
+
+    num_prompts: StrictInt = Field(ge=1, le=10_000)
+    samples_per_prompt: StrictInt = Field(1, ge=1, le=256)
+    ks: list[StrictInt] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
+    greedy: bool = False
+    correct_threshold: float = Field(1.0, allow_inf_nan=False)
+    generation_args: GenerationArgs | None = None
+    inference: InferenceEndpoint
+    env_id: str | None = Field(None, max_length=256, description="One environment; null evaluates all.")
+
+    @model_validator(mode="after")
+    def _ks_fit_the_samples(self) -> EvaluateRequest:
+        bad = [k for k in self.ks if not 1 <= k <= self.samples_per_prompt]
+        if bad:
+            raise ValueError(f"ks must be in 1..samples_per_prompt ({self.samples_per_prompt}), got {bad}")
+        return self
+
+
+class EvaluateResponse(WireModel):
+    results: dict[str, EvaluationResponse]
+
+
+class EnvironmentInfo(WireModel):
+    env_id: str
+    agent_type: str
+    weight: float
+    evaluation_only: bool
+    num_train_problems: int | None = None
+    num_eval_problems: int | None = None
+
+
+class ServerInfo(WireModel):
+    environments: list[EnvironmentInfo]
+    endpoints: list[str]
+
+
+class AgentStates(WireModel):
+    """Problem-order state of environments: env id -> that agent's `state_dict()`."""
+
+    state: dict[str, dict[str, Any]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The inference server (llmrl.server.inference_server): OpenAI-compatible bodies and weight updates
+
+DEFAULT_MAX_TOKENS = 16
+"""Completion length when a request sets no ``max_tokens`` (OpenAI's default for completions)."""
+
+
+class GenerationFields(BaseModel):
+    """Fields shared by both generation routes. Unknown fields are kept: the server refuses those it does not implement."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="Echoed in the response; this server serves one model.")
+    n: StrictInt = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=-1, description="Extension; 0 or -1 (vLLM's spelling) turn top-k off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    logprobs: StrictBool | StrictInt | None = Field(
+        None, description="True or an int (completions' top count) adds OpenAI logprobs."
+    )
+    stop_token_ids: list[StrictInt] | None = None
+    prompt_token_ids: list[StrictInt] | None = None
+
+    def completion_limit(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class CompletionBody(GenerationFields):
+    prompt: str
+
+
+class MessagePart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(BaseModel):
+    """A chat message as OpenAI clients send it (text content, or a list of text parts; `name` ignored)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[MessagePart]
+
+    def to_chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role=self.role, content=content)
+
+
+class ChatBody(GenerationFields):
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables of the chat template.")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+
+    def completion_limit(self) -> int:
+        return self.max_completion_tokens or super().completion_limit()
+
+
+class WeightsByPath(BaseModel):
+    """JSON body of ``POST /v1/weights``: load `path` (inside the server's weights folder) as `version`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, le=MAX_POLICY_VERSION, strict=True)
+    path: str = Field(min_length=1)
+    reset: bool = False
+    """Serve these weights even if `version` is not newer (a trainer starting or resuming a run)."""

@@ -43,7 +43,7 @@ from llmrl.agents.reward_only import RewardOnlyAgent
 from llmrl.rewards.answers import extract_answer, normalize_answer
 from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine
 from llmrl.rewards.scorers import default_compute_score
-from llmrl.types import ChatMessage, InferenceResponse
+from llmrl.types import ChatMessage, InferenceResponse, validation_problems
 
 Layout = Literal["flat", "conversational", "verl"]
 LAYOUTS: tuple[str, ...] = ("auto", "flat", "conversational", "verl")
@@ -257,10 +257,9 @@ class DatasetAgent(RewardOnlyAgent):
         try:
             messages = [ChatMessage.model_validate(message) for message in raw]
         except ValidationError as exc:
-            error = exc.errors()[0]
             raise ValueError(
                 f"{source}: row {index}, column {self.prompt_column!r}: not chat messages "
-                f"({'.'.join(map(str, error['loc']))}: {error['msg']}); found {_shown(raw)}"
+                f"({validation_problems(exc.errors()[:1])}); found {_shown(raw)}"
             ) from None
         if self.system_prompt and not any(m.role == "system" for m in messages):
             messages.insert(0, ChatMessage(role="system", content=self.system_prompt))

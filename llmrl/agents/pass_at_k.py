@@ -1,9 +1,7 @@
-"""pass@k evaluation: the unbiased estimator and an agent wrapper that reports it.
+"""pass@k evaluation: an agent wrapper that reports it.
 
-The unbiased estimator of Chen et al., "Evaluating Large Language Models Trained on Code" (2021):
-with n samples of which c are correct, pass@k = 1 - C(n-c, k) / C(n, k). The ratio of binomials is
-evaluated as a running product, prod_{i=n-c+1}^{n} (1 - k/i), which never forms the (huge) binomial
-coefficients and so stays exact to float precision for any n.
+The unbiased estimator `pass_at_k` (Chen et al., 2021) lives beside the wire type whose `metrics()`
+use it, `llmrl.types.EvaluationResponse`, and is re-exported here.
 """
 
 from __future__ import annotations
@@ -13,21 +11,9 @@ from typing import Any
 
 from llmrl.agents.base import Agent
 from llmrl.inference.interface import InferenceInterface
-from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup
+from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup, pass_at_k
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k samples drawn without replacement from n is correct."""
-    if not 0 <= c <= n:
-        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
-    if not 1 <= k <= n:
-        raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
-    if n - c < k:
-        return 1.0
-    failure = 1.0
-    for i in range(n - c + 1, n + 1):
-        failure *= 1.0 - k / i
-    return 1.0 - failure
+__all__ = ["PassAtKAgent", "pass_at_k"]
 
 
 class PassAtKAgent(Agent):

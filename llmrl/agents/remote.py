@@ -32,7 +32,6 @@ Behaviour:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections import Counter
@@ -43,26 +42,27 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from llmrl.agents.base import Agent, placeholder_rollout
+from llmrl.http_client import RequestRefused, RetryPolicy, ServerUnavailable, send
 from llmrl.inference.interface import InferenceInterface, run_blocking
-from llmrl.server.env_server import (
+from llmrl.types import (
     AgentStates,
     EvaluateRequest,
     EvaluateResponse,
+    EvaluationResponse,
+    GenerationArgs,
     GroupRolloutsRequest,
     GroupRolloutsResponse,
     InferenceEndpoint,
+    RolloutGroup,
     ServerInfo,
     check_http_url,
 )
-from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Answer = TypeVar("Answer", bound=BaseModel)
 
-# Answers worth retrying: the server is busy, restarting or failed this once.
-_RETRYABLE_STATUS = {408, 429}
 # A server that is down refuses connections at once; this bounds the wait for one that does not answer.
 _CONNECT_TIMEOUT_S = 10.0
 
@@ -274,42 +274,23 @@ class RemoteAgent(Agent):
         attempts: int | None = None,
     ) -> Answer:
         """`method path` with `body`, retried with backoff while the server is unreachable or failing."""
-        attempts = self.max_retries + 1 if attempts is None else attempts
+        retries = self.max_retries if attempts is None else attempts - 1
+        policy = RetryPolicy(
+            self.timeout_s, retries=retries, backoff_s=self.backoff_s,
+            connect_timeout_s=min(self.timeout_s, _CONNECT_TIMEOUT_S),
+        )  # fmt: skip
         content = body.model_dump(mode="json") if body is not None else None
-        timeout = httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, _CONNECT_TIMEOUT_S))
-        last_error = ""
-        for attempt in range(attempts):
-            if attempt:
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                log.warning(
-                    "%s: %s %s%s: %s; retrying in %.1f s",
-                    self.env_id,
-                    method,
-                    self.url,
-                    path,
-                    last_error,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-            try:
-                async with httpx.AsyncClient(
-                    base_url=self.url, headers=self._headers, timeout=timeout, transport=self._transport
-                ) as client:
-                    response = await client.request(method, path, json=content)
-            except httpx.TransportError as exc:  # connection refused or reset, timeouts
-                last_error = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.is_success:
-                try:
-                    return answer.model_validate_json(response.content)
-                except ValidationError as exc:
-                    raise RemoteError(f"{method} {self.url}{path}: the answer does not fit: {exc}") from None
-            last_error = f"HTTP {response.status_code}: {_error_message(response)}"
-            if response.status_code < 500 and response.status_code not in _RETRYABLE_STATUS:
-                raise RemoteError(f"{method} {self.url}{path}: {last_error}")
-        raise RemoteUnavailableError(
-            f"{method} {self.url}{path}: no answer after {attempts} attempt(s): {last_error}"
-        )
+        try:
+            async with httpx.AsyncClient(base_url=self.url, headers=self._headers, transport=self._transport) as client:
+                response = await send(client, method, path, policy, json=content)
+        except RequestRefused as exc:
+            raise RemoteError(str(exc)) from None
+        except ServerUnavailable as exc:
+            raise RemoteUnavailableError(str(exc)) from None
+        try:
+            return answer.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise RemoteError(f"{method} {self.url}{path}: the answer does not fit: {exc}") from None
 
     async def _with_context(self, action: str, call: Coroutine[Any, Any, T]) -> T:
         try:
@@ -331,12 +312,3 @@ class RemoteAgent(Agent):
             )
             for k in range(first, first + num_groups)
         ]
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The server's error message (``{"error": {"message": ...}}``), else the start of the body."""
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:500]
-

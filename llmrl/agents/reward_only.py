@@ -45,8 +45,8 @@ from pydantic import ValidationError
 from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, request_args
 from llmrl.agents.sampler import EpochSampler
 from llmrl.inference.interface import InferenceInterface
-from llmrl.logging import trace_span
 from llmrl.rewards.functions import Reward
+from llmrl.telemetry import trace_span
 from llmrl.types import (
     ChatMessage,
     EvaluationResponse,
@@ -56,6 +56,7 @@ from llmrl.types import (
     InferenceResponse,
     RolloutGroup,
     TokenRollout,
+    validation_problems,
 )
 
 log = logging.getLogger(__name__)
@@ -187,10 +188,7 @@ class RewardOnlyAgent(Agent):
         try:
             self.generation_args = GenerationArgs.model_validate(generation_args or {})
         except ValidationError as exc:
-            problems = "; ".join(
-                f"generation_args.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-            )
-            raise ValueError(problems) from None
+            raise ValueError(validation_problems(exc.errors(), prefix="generation_args.")) from None
         self._counters: Counter[str] = Counter()
         self._groups_drawn = 0
         self._slots: asyncio.Semaphore | None = None

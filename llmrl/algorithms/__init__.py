@@ -14,12 +14,11 @@ from llmrl.algorithms.logprobs import (
 )
 from llmrl.algorithms.losses import kl_penalty, loss_normalizer, policy_loss
 from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, packing_efficiency, unpack
-from llmrl.algorithms.shaping import drop_truncated, soft_overlong_penalty
+from llmrl.algorithms.shaping import soft_overlong_penalty
 
 __all__ = [
     "PackedBatch",
     "build_batch",
-    "drop_truncated",
     "group_advantages",
     "kl_penalty",
     "logprobs_from_hidden",

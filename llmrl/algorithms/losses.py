@@ -1,8 +1,8 @@
 """The GRPO-family policy loss: clipped surrogate, KL to a reference, entropy bonus, IS correction.
 
 Per completion token ``t`` of sequence ``i`` with advantage ``A`` and ratio ``r = pi(y_t) / pi_old(y_t)``
-(``pi_old``: the policy that the advantages were computed for, i.e. the trainer's logprobs of the
-weights that generated the rollouts), the loss to *minimise* is::
+(``pi_old``: the trainer's policy before the step's first update; see `llmrl.trainer.optimization`),
+the loss to *minimise* is::
 
     pg_t = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)         PPO, Schulman et al. 2017
     pg_t = min(pg_t, -c * A)  where A < 0                                  dual clip, Ye et al. 2020
@@ -26,9 +26,12 @@ weights that generated the rollouts), the loss to *minimise* is::
 
 - Entropy bonus: ``H_t`` is the entropy of the full next-token distribution (from
   `llmrl.algorithms.logprobs`), weighted by ``entropy_coef``.
-- Trainer/inference mismatch (the engine's sampler is not the trainer's forward): with the engine's
-  logprobs ``log q``, ``is_mode="truncate"`` multiplies ``pg_t`` by the truncated importance weight
-  ``w_t = min(exp(log pi_old - log q), is_cap)`` (TIS; Yao et al. 2025, "Your Efficient RL Framework
+- Trainer/inference mismatch: the rollouts were sampled from ``q``, which is not ``pi_old``. The
+  engine's sampler is not the trainer's forward, and with generation lag (``generation_lag > 0``)
+  the rollouts come from weights up to that many updates older than ``pi_old``, so the ratio
+  alone does not correct for them (the trainer turns ``is_mode`` on by default then). With the
+  engine's logprobs ``log q``, ``is_mode="truncate"`` multiplies ``pg_t`` by the truncated
+  importance weight ``w_t = min(exp(log pi_old - log q), is_cap)`` (TIS; Yao et al. 2025, "Your Efficient RL Framework
   Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; Ionides 2008
   "Truncated importance sampling"). ``is_mode="mask"`` drops whole sequences whose geometric-mean
   weight ``exp(mean_t (log pi_old - log q))`` is outside ``[1 / is_cap, is_cap]`` (masked IS).

@@ -1,4 +1,4 @@
-"""Reward and loss-mask shaping for over-long completions (DAPO, Yu et al. 2025, arXiv:2503.14476).
+"""Reward shaping for over-long completions (DAPO, Yu et al. 2025, arXiv:2503.14476).
 
 *Soft overlong punishment* (DAPO eq. 13). With ``L_max`` the generation budget (max_tokens) and
 ``L_cache`` the length of the penalty ramp (the "buffer"), a completion of ``|y|`` tokens gets the
@@ -11,9 +11,8 @@ additive reward::
 scaled by ``penalty`` (our generalisation; DAPO uses 1). Completions are nudged to finish before
 the budget runs out instead of being punished by a cliff.
 
-*Overlong filtering* (DAPO section 3.4, our ``mask_truncated``): completions cut off by max_tokens
-have an unreliable reward (the answer may simply be missing), so they are removed from the loss
-mask. They still take part in the group's advantage statistics; only their gradient is dropped.
+*Overlong filtering* (DAPO section 3.4, ``algorithm.mask_truncated``) is not here: the trainer
+applies it when it builds the loss masks (`llmrl.trainer.rollouts`).
 """
 
 from __future__ import annotations
@@ -50,40 +49,3 @@ def soft_overlong_penalty(
     # clamp(-1, 0) covers all three cases: 0 before the ramp, linear on it, -1 past max_tokens.
     ramp = ((ramp_start - lengths.to(torch.float32)) / buffer).clamp(min=-1.0, max=0.0)
     return penalty * ramp
-
-
-def drop_truncated(
-    mask: torch.Tensor, truncated: torch.Tensor | Sequence[bool], sequence_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The loss mask with every token of a truncated completion switched off (overlong filtering).
-
-    Args:
-        mask: ``[B, T]`` loss mask (bool or 0/1).
-        truncated: per sequence, True when the completion hit max_tokens. Without `sequence_ids`
-            there is one sequence per row (``[B]``); with them, ``truncated[s]`` is sequence ``s``.
-        sequence_ids: for packed rows, the sequence index of each token (``[B, T]``; any value on
-            tokens outside the mask, e.g. -1 on padding).
-    """
-    truncated = torch.as_tensor(truncated, dtype=torch.bool, device=mask.device)
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
-    if sequence_ids is None:
-        if truncated.shape != mask.shape[:1]:
-            raise ValueError(
-                f"truncated must have one entry per row ({mask.shape[0]}), got {tuple(truncated.shape)}"
-            )
-        keep = ~truncated[:, None]  # (B, 1)
-    else:
-        if sequence_ids.shape != mask.shape:
-            raise ValueError(
-                f"sequence_ids has shape {tuple(sequence_ids.shape)}, mask has {tuple(mask.shape)}"
-            )
-        in_mask = mask.bool()
-        ids = sequence_ids[in_mask]
-        if ids.numel() and (ids.min() < 0 or ids.max() >= truncated.numel()):
-            raise ValueError(
-                f"sequence_ids on masked tokens must be in 0..{truncated.numel() - 1} (one truncated flag per sequence)"
-            )
-        keep = torch.ones_like(in_mask)
-        keep[in_mask] = ~truncated[ids]
-    return mask & keep if mask.dtype == torch.bool else mask * keep

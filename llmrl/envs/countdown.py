@@ -4,31 +4,19 @@ Problems are generated from `problem_seed`: `num_numbers` numbers in 1..max_numb
 random order by random operations (division only when exact), so every problem has a solution; the
 result is the target when it is a whole number in 1..max_target.
 
-Reward (rule-based, as in TinyZero / DeepSeek-R1-Zero style setups): the answer is the last
-``<answer>...</answer>``; 1 if it is an expression over exactly the given numbers (each used once)
-whose value is the target, `format_reward` if the tags are there but the expression is wrong,
-invalid or uses other numbers, and 0 without tags. A trailing ``= target`` is allowed.
-
-The expression is never `eval`-ed: it is parsed with `ast` and only integer literals, + - * / and
-parentheses are accepted, computed exactly with fractions.
+The reward is `llmrl.rewards.countdown.countdown_reward`.
 """
 
 from __future__ import annotations
 
-import ast
-import operator
 import random
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from llmrl.agents.base import Problem, make_prompt
 from llmrl.agents.reward_only import RewardOnlyAgent
-from llmrl.rewards.answers import last_tagged
+from llmrl.rewards.countdown import countdown_reward
 from llmrl.types import InferenceResponse
-
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_MAX_EXPRESSION_CHARS = 200
 
 PROMPT = (
     "Using the numbers {numbers}, create an equation that equals {target}. You can use +, -, *, / and "
@@ -61,45 +49,6 @@ def generate_problem(
     raise ValueError(
         f"could not generate a target in 1..{max_target} from {num_numbers} numbers up to {max_number}"
     )
-
-
-def evaluate_expression(expression: str) -> tuple[Fraction, list[int]] | None:
-    """Exact value of an arithmetic expression and the integers it uses; None if not allowed or invalid."""
-    if len(expression) > _MAX_EXPRESSION_CHARS:
-        return None
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except (SyntaxError, ValueError):
-        return None
-    used: list[int] = []
-
-    def value(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            left, right = value(node.left), value(node.right)
-            return _OPERATORS[type(node.op)](left, right)  # Fraction / 0 raises ZeroDivisionError
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            used.append(node.value)
-            return Fraction(node.value)
-        raise ValueError(f"{type(node).__name__} is not allowed")
-
-    try:
-        return value(tree.body), used
-    except (ValueError, ZeroDivisionError, RecursionError):
-        return None
-
-
-def countdown_reward(
-    text: str, numbers: tuple[int, ...], target: int, *, format_reward: float = 0.1
-) -> float:
-    """1 for a correct equation in <answer> tags, `format_reward` for a wrong one, 0 without tags."""
-    marked = last_tagged(text, "answer")
-    if marked is None:
-        return 0.0
-    evaluated = evaluate_expression(marked[0].split("=")[0])
-    if evaluated is None:
-        return format_reward
-    value, used = evaluated
-    return 1.0 if sorted(used) == sorted(numbers) and value == target else format_reward
 
 
 class CountdownAgent(RewardOnlyAgent):

@@ -7,59 +7,19 @@ reference are parsed as LaTeX by `math-verify` (Hugging Face) and compared symbo
 
 Optional penalties, subtracted from the 0/1 correctness: `truncation_penalty` for a completion
 that hit max_tokens, `trailing_penalty` for text after the marked answer (rambling on after
-answering).
-
-math-verify's own timeouts use SIGALRM, which only works in the main thread; rewards run in worker
-threads under the agent's `reward_timeout_s`, so they are turned off here.
+answering). The reward itself is `llmrl.rewards.answers.math_reward`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from llmrl.agents.base import Problem
 from llmrl.agents.dataset import DatasetAgent, packaged_data
-from llmrl.rewards.answers import extract_answer, normalize_answer
+from llmrl.rewards.answers import extract_answer, math_reward
 from llmrl.types import InferenceResponse
 
 INSTRUCTION = "Reason step by step, and put your final answer within \\boxed{{}}."
-
-
-@functools.lru_cache(maxsize=65536)
-def _parse(answer: str) -> tuple:
-    from math_verify import parse  # deferred: math-verify pulls in sympy (about a second)
-
-    latex = answer if "$" in answer else f"${answer}$"
-    return tuple(parse(latex, parsing_timeout=None))
-
-
-def is_equivalent(reference: str, answer: str) -> bool:
-    """True when `answer` is mathematically the same as `reference` (string match if either won't parse)."""
-    from math_verify import verify
-
-    gold, guess = _parse(reference), _parse(answer)
-    if not gold or not guess:
-        return normalize_answer(reference) == normalize_answer(answer)
-    return verify(list(gold), list(guess), timeout_seconds=None)
-
-
-def math_reward(
-    text: str,
-    reference: str,
-    *,
-    truncated: bool = False,
-    truncation_penalty: float = 0.0,
-    trailing_penalty: float = 0.0,
-) -> float:
-    """1 for a correct marked answer, else 0, minus the truncation or trailing-text penalty."""
-    marked = extract_answer(text)
-    reward = float(marked is not None and is_equivalent(reference, marked[0]))
-    if truncated:
-        reward -= truncation_penalty
-    elif marked is not None and text[marked[1] :].strip():
-        reward -= trailing_penalty
-    return reward
 
 
 class MathAgent(DatasetAgent):

@@ -78,7 +78,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 from transformers import DynamicCache
 
-from llmrl.models.tiny import cache_root
+from llmrl.cache import cache_root
 
 logger = logging.getLogger(__name__)
 

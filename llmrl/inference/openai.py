@@ -9,8 +9,8 @@ vLLM (>= 0.10.2) and SGLang add ``token_ids`` and ``prompt_token_ids`` with ``re
 such a server cannot be trained from. Weight sync (`update_weights`) speaks llmrl's
 ``POST /v1/weights`` (docs/serving.md).
 
-Requests retry with exponential backoff on connection errors, timeouts, 408/429 and 5xx, never on
-other 4xx (the server's message is raised at once). At most `max_concurrent` requests are in flight
+Requests go through `llmrl.http_client`: retried with exponential backoff on connection errors,
+timeouts, 408/429 and 5xx, never on other 4xx (the server's message is raised at once). At most `max_concurrent` requests are in flight
 per event loop; each loop gets its own HTTP client, since `generate` runs every call in a new loop.
 A request for more than `max_n` completions (the llmrl server's limit, 64) is sent in parts.
 """
@@ -32,13 +32,13 @@ from typing import Any
 import httpx
 
 from llmrl.config import InferenceConfig, ModelConfig
+from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.interface import run_blocking, run_sync
 from llmrl.seeding import derive_seed
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
 
 __all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
 
-_RETRY_STATUSES = frozenset({408, 429})
 _CHUNK_BYTES = 1 << 20
 
 
@@ -273,38 +273,25 @@ class OpenAIInterface:
 
     async def _call(self, method: str, path: str, *, timeout_s: float, retries: int, **kwargs: Any) -> Any:
         """One request, retried on retryable failures; the decoded JSON answer, or InferenceServerError."""
-        client = self._session().client
-        url = f"{self.base_url}{path}"
-        failure, status = "", None
-        for attempt in range(retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                response = await asyncio.wait_for(
-                    client.request(method, path, timeout=timeout_s, **kwargs), timeout_s
-                )
-            except (httpx.TransportError, asyncio.TimeoutError) as exc:
-                failure, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
-                self.unreachable_since = self.unreachable_since or time.time()
-                continue
-            status = response.status_code
-            if status < 500:  # it answered: reachable, even when it refuses
-                self.unreachable_since = None
-            elif self.unreachable_since is None:
-                self.unreachable_since = time.time()
-            if status < 400:
-                try:
-                    return response.json()
-                except ValueError:
-                    raise InferenceServerError(
-                        f"{method} {url}: the answer is not JSON: {response.text[:200]!r}", status=status
-                    ) from None
-            failure = f"HTTP {status}: {_error_message(response)}"
-            if status < 500 and status not in _RETRY_STATUSES:
-                raise InferenceServerError(f"{method} {url} was refused: {failure}", status=status)
-        raise InferenceServerError(
-            f"{method} {url} failed after {retries + 1} attempt(s): {failure}", status=status
-        )
+        policy = RetryPolicy(timeout_s, retries=retries, backoff_s=self.backoff_s)
+        try:
+            response = await send(self._session().client, method, path, policy, on_answer=self._observe, **kwargs)
+        except HTTPRequestError as exc:
+            raise InferenceServerError(str(exc), status=exc.status) from None
+        try:
+            return response.json()
+        except ValueError:
+            raise InferenceServerError(
+                f"{method} {self.base_url}{path}: the answer is not JSON: {response.text[:200]!r}",
+                status=response.status_code,
+            ) from None
+
+    def _observe(self, status: int | None) -> None:
+        """Track since when the server has been unreachable: no answer, or a 5xx one."""
+        if status is not None and status < 500:  # it answered: reachable, even when it refuses
+            self.unreachable_since = None
+        elif self.unreachable_since is None:
+            self.unreachable_since = time.time()
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -469,22 +456,6 @@ def _missing(field: str, what: str) -> UnsupportedServerError:
 
 def _finish_reason(reason: Any) -> FinishReason:
     return reason if reason in ("length", "abort") else "stop"
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The server's message: OpenAI's ``{"error": {"message"}}``, vLLM's ``{"message"}`` or ``{"detail"}``."""
-    try:
-        data = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for key in ("message", "detail", "error"):
-            if key in data:
-                return str(data[key])
-    return str(data)[:500]
 
 
 def safetensors_ready(state: dict[str, Any]) -> dict[str, Any]:

@@ -56,13 +56,13 @@ import httpx
 import torch
 
 from llmrl.config import InferenceConfig, ModelConfig, VLLMConfig
+from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.interface import run_blocking, run_in_new_loop, run_sync
 from llmrl.inference.openai import (
     InferenceServerError,
     OpenAIInterface,
     UnsupportedServerError,
     WeightSyncError,
-    _error_message,
     api_key_from_env,
     safetensors_ready,
 )
@@ -468,26 +468,30 @@ class VLLMInterface:
         endpoint.manifest = manifest or {}
 
     async def _server_facts(self, endpoint: _Endpoint) -> dict[str, Any]:
+        policy = RetryPolicy(self.config.control_timeout_s)
         async with self._control_client(endpoint) as client:
             try:
-                health = await client.get("/health")
-            except httpx.TransportError as exc:
-                raise InferenceServerError(f"vLLM at {endpoint.url} is unreachable: {exc}") from None
-            if health.status_code != 200:
-                raise InferenceServerError(f"vLLM at {endpoint.url}: /health answered {health.status_code}")
-            info = await client.get("/weight_info")
-            if info.status_code == 404:
+                await send(client, "GET", "/health", policy)
+            except HTTPRequestError as exc:
+                raise InferenceServerError(f"vLLM at {endpoint.url}: GET /health: {exc.failure}", status=exc.status) from None
+            try:
+                await send(client, "GET", "/weight_info", policy)
+            except HTTPRequestError as exc:  # only a 404 is telling: other failures show in the next call
+                if exc.status == 404:
+                    raise UnsupportedServerError(
+                        f"vLLM at {endpoint.url} has no RL routes (/weight_info is 404): start it with "
+                        "VLLM_SERVER_DEV_MODE=1 in its environment"
+                    ) from None
+            try:
+                answer = await send(client, "POST", "/collective_rpc", policy, json={"method": "llmrl_server_facts"})
+            except HTTPRequestError as exc:
+                if exc.status is None:
+                    raise InferenceServerError(f"vLLM at {endpoint.url}: POST /collective_rpc: {exc.failure}") from None
                 raise UnsupportedServerError(
-                    f"vLLM at {endpoint.url} has no RL routes (/weight_info is 404): start it with "
-                    "VLLM_SERVER_DEV_MODE=1 in its environment"
-                )
-            answer = await client.post("/collective_rpc", json={"method": "llmrl_server_facts"})
-            if answer.status_code != 200:
-                raise UnsupportedServerError(
-                    f"vLLM at {endpoint.url} cannot run llmrl's worker extension ({_error_message(answer)[:200]}): "
+                    f"vLLM at {endpoint.url} cannot run llmrl's worker extension ({exc.detail[:200]}): "
                     f"start it with --worker-extension-cls {EXTENSION_CLASS}, with llmrl installed in its "
                     "environment (pip install --no-deps llmrl)"
-                )
+                ) from None
             return answer.json()["results"][0]
 
     # -- generation ------------------------------------------------------------------------------
@@ -686,16 +690,15 @@ class VLLMInterface:
         timeout_s: float | None = None, **kwargs: Any,
     ) -> dict[str, Any]:  # fmt: skip
         """One control call under its timeout; `WeightSyncError` names the server and the call."""
-        limit = timeout_s or self.config.control_timeout_s
+        policy = RetryPolicy(timeout_s or self.config.control_timeout_s)
         try:
-            answer = await asyncio.wait_for(client.request(method, path, timeout=limit, **kwargs), limit)
-        except (httpx.TransportError, asyncio.TimeoutError) as exc:
-            raise WeightSyncError(f"vLLM at {endpoint.url}: {method} {path} failed: {type(exc).__name__} {exc}") from None
-        if answer.status_code >= 400:
+            answer = await send(client, method, path, policy, **kwargs)
+        except HTTPRequestError as exc:
+            if exc.status is None:
+                raise WeightSyncError(f"vLLM at {endpoint.url}: {method} {path} failed: {exc.failure}") from None
             raise WeightSyncError(
-                f"vLLM at {endpoint.url}: {method} {path} answered {answer.status_code}: {_error_message(answer)[:500]}",
-                status=answer.status_code,
-            )
+                f"vLLM at {endpoint.url}: {method} {path} answered {exc.status}: {exc.detail[:500]}", status=exc.status
+            ) from None
         try:
             data = answer.json()
         except ValueError:

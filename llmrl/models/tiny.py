@@ -10,7 +10,7 @@ made from nothing, seeded and deterministic, in about a minute on one CPU core:
    (``<|im_start|>role\\n...<|im_end|>\\n``; eos = ``<|im_end|>``, pad = ``<|endoftext|>``).
 2. Model: `Qwen2ForCausalLM` (hidden 128, 4 layers, tied embeddings, 1024 positions), float32.
 3. Warm-up: supervised next-token loss on the answers of chat-formatted 2-digit additions from
-   the *train* split of `llmrl.envs.arithmetic`, until the expected sampled accuracy (temperature
+   the *train* split of `llmrl.tasks.arithmetic`, until the expected sampled accuracy (temperature
    1) on held-back validation problems reaches 30%: the model has learnt the format and part of
    the task, far from all of it, so GRPO has signal. See `train_warmup` for why it stops on a
    measurement rather than after a fixed number of steps.
@@ -44,7 +44,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from llmrl.envs.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
+from llmrl.cache import cache_root
+from llmrl.tasks.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
 
 RECIPE_VERSION = 1
 """Bump when the build changes in a way the recipe fields do not capture (corpus, code)."""
@@ -466,11 +467,6 @@ def build_tiny_model(output_dir: str | Path, recipe: TinyRecipe = TINY_MODELS["a
     }
     (output_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return info
-
-
-def cache_root() -> Path:
-    """``$LLMRL_CACHE_DIR`` when set, else ``~/.cache/llmrl``."""
-    return Path(os.environ.get("LLMRL_CACHE_DIR") or Path.home() / ".cache" / "llmrl").expanduser()
 
 
 def _recipe_for(name: str) -> TinyRecipe:

@@ -3,11 +3,16 @@ answers are the same text.
 
 A completion marks its final answer as ``\\boxed{...}`` (MATH), ``<answer>...</answer>`` (R1-style
 prompts) or after ``####`` (GSM8K); each extractor returns the content and the index just after it,
-so that callers can also look at what follows the answer.
+so that callers can also look at what follows the answer. Two answers are the same when
+`math-verify` (Hugging Face) parses both as LaTeX and finds them symbolically equal.
+
+math-verify's own timeouts use SIGALRM, which only works in the main thread; rewards run in worker
+threads under the agent's `reward_timeout_s`, so they are turned off here.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 
@@ -57,3 +62,39 @@ def normalize_answer(answer: str) -> str:
     except ValueError:
         return text
     return str(int(value)) if value.is_integer() else repr(value)
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse(answer: str) -> tuple:
+    from math_verify import parse  # deferred: math-verify pulls in sympy (about a second)
+
+    latex = answer if "$" in answer else f"${answer}$"
+    return tuple(parse(latex, parsing_timeout=None))
+
+
+def is_equivalent(reference: str, answer: str) -> bool:
+    """True when `answer` is mathematically the same as `reference` (string match if either won't parse)."""
+    from math_verify import verify
+
+    gold, guess = _parse(reference), _parse(answer)
+    if not gold or not guess:
+        return normalize_answer(reference) == normalize_answer(answer)
+    return verify(list(gold), list(guess), timeout_seconds=None)
+
+
+def math_reward(
+    text: str,
+    reference: str,
+    *,
+    truncated: bool = False,
+    truncation_penalty: float = 0.0,
+    trailing_penalty: float = 0.0,
+) -> float:
+    """1 for a correct marked answer, else 0, minus the truncation or trailing-text penalty."""
+    marked = extract_answer(text)
+    reward = float(marked is not None and is_equivalent(reference, marked[0]))
+    if truncated:
+        reward -= truncation_penalty
+    elif marked is not None and text[marked[1] :].strip():
+        reward -= trailing_penalty
+    return reward

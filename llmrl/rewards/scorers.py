@@ -25,7 +25,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from llmrl.rewards.answers import after_hashes, last_boxed, normalize_answer
+from llmrl.rewards.answers import after_hashes, is_equivalent, last_boxed, math_reward, normalize_answer
+from llmrl.rewards.countdown import countdown_reward
+from llmrl.tasks.arithmetic import first_integer
 
 # ---- GSM8K ------------------------------------------------------------------------------------
 
@@ -59,8 +61,6 @@ def math_boxed(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 
     A ground truth that is itself a worked solution is reduced to its own boxed answer first.
     """
-    from llmrl.envs.math import is_equivalent  # deferred: math-verify imports sympy
-
     del data_source, extra_info
     boxed = last_boxed(solution_str)
     if boxed is None:
@@ -121,20 +121,14 @@ def math_dapo(data_source: str, solution_str: str, ground_truth: Any, extra_info
 
 
 def _arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from llmrl.envs.arithmetic import first_integer
-
     return float(first_integer(solution_str) == int(ground_truth))
 
 
 def _marked_math(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from llmrl.envs.math import math_reward
-
     return math_reward(solution_str, str(ground_truth))
 
 
 def _countdown(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from llmrl.envs.countdown import countdown_reward
-
     if not isinstance(ground_truth, dict) or not {"numbers", "target"} <= set(ground_truth):
         raise ValueError(f"countdown: ground_truth must be a mapping with numbers and target, got {ground_truth!r}")
     return countdown_reward(solution_str, tuple(ground_truth["numbers"]), int(ground_truth["target"]))

@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmrl.types import validation_problems
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -42,10 +44,6 @@ def error_response(status: int, message: str) -> JSONResponse:
             404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
             413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
-
-
-def _field(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc)
 
 
 class _Guard:
@@ -225,8 +223,7 @@ def secure_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        lines = [f"{_field(e['loc'])}: {e['msg']}" for e in exc.errors()]
-        return error_response(422, "; ".join(lines) or "invalid request")
+        return error_response(422, validation_problems(exc.errors()) or "invalid request")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404, 405, ...

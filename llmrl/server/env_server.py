@@ -25,21 +25,29 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel
 
 from llmrl.agents import Agent, WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, RunConfig, load_config
 from llmrl.inference.interface import InferenceInterface
 from llmrl.registry import import_plugins
 from llmrl.server.common import DEFAULT_HOST, error_response, run_server, secure_app
-from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup, WireModel
+from llmrl.types import (
+    AgentStates,
+    EnvironmentInfo,
+    EvaluateRequest,
+    EvaluateResponse,
+    GroupRolloutsRequest,
+    GroupRolloutsResponse,
+    InferenceEndpoint,
+    ServerInfo,
+    check_http_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,98 +62,6 @@ ENDPOINTS = [
     "POST /v1/state",
     "GET /healthz",
 ]
-
-# ---------------------------------------------------------------------------------------------
-# Wire models (shared with llmrl.agents.remote)
-
-
-def check_http_url(url: str) -> str:
-    """`url` if it is an http(s) URL with a host and no credentials in it, else ValueError."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
-    if parts.username or parts.password:
-        raise ValueError("must not contain credentials (pass tokens by environment variable)")
-    return url
-
-
-class InferenceEndpoint(BaseModel):
-    """The OpenAI-compatible server the environments call back to sample completions."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)  # frozen: hashable, a cache key
-
-    base_url: str = Field(max_length=2048, description="e.g. http://10.0.0.5:8000/v1 (http or https).")
-    model: str | None = Field(None, max_length=512, description="Model name sent in each request, if any.")
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_url(cls, url: str) -> str:
-        return check_http_url(url)
-
-
-class GroupRolloutsRequest(WireModel):
-    """`num_groups` training problems, `group_size` scored samples each."""
-
-    num_groups: StrictInt = Field(ge=1, le=1024)
-    group_size: StrictInt = Field(ge=1, le=256)
-    generation_args: GenerationArgs | None = None
-    inference: InferenceEndpoint
-    env_id: str | None = Field(
-        None, max_length=256, description="One environment; null mixes the training environments by weight."
-    )
-
-
-class GroupRolloutsResponse(WireModel):
-    groups: list[RolloutGroup]
-    metrics: dict[str, float] = Field(
-        default_factory=dict,
-        description="The environments' failure counters since the last call, keyed env_id/name.",
-    )
-
-
-class EvaluateRequest(WireModel):
-    """Held-out evaluation with pass@k, as `WeightedMultiTask.evaluate` does it."""
-
-    num_prompts: StrictInt = Field(ge=1, le=10_000)
-    samples_per_prompt: StrictInt = Field(1, ge=1, le=256)
-    ks: list[StrictInt] = Field(default_factory=lambda: [1], min_length=1, max_length=256)
-    greedy: bool = False
-    correct_threshold: float = Field(1.0, allow_inf_nan=False)
-    generation_args: GenerationArgs | None = None
-    inference: InferenceEndpoint
-    env_id: str | None = Field(None, max_length=256, description="One environment; null evaluates all.")
-
-    @model_validator(mode="after")
-    def _ks_fit_the_samples(self) -> EvaluateRequest:
-        bad = [k for k in self.ks if not 1 <= k <= self.samples_per_prompt]
-        if bad:
-            raise ValueError(f"ks must be in 1..samples_per_prompt ({self.samples_per_prompt}), got {bad}")
-        return self
-
-
-class EvaluateResponse(WireModel):
-    results: dict[str, EvaluationResponse]
-
-
-class EnvironmentInfo(WireModel):
-    env_id: str
-    agent_type: str
-    weight: float
-    evaluation_only: bool
-    num_train_problems: int | None = None
-    num_eval_problems: int | None = None
-
-
-class ServerInfo(WireModel):
-    environments: list[EnvironmentInfo]
-    endpoints: list[str]
-
-
-class AgentStates(WireModel):
-    """Problem-order state of environments: env id -> that agent's `state_dict()`."""
-
-    state: dict[str, dict[str, Any]]
-
 
 # ---------------------------------------------------------------------------------------------
 # The environments behind the routes
@@ -475,14 +391,3 @@ def serve_env(
     app = create_env_app(config, api_key=api_key, inference_api_key=inference_api_key, inference_urls=allowed)
     log.info("serving environments %s on http://%s:%d", [e.name for e in config.environments], host, port)
     run_server(app, host, port)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m llmrl.server.env_server`` is ``llmrl serve-env`` (same arguments)."""
-    from llmrl.cli import main as cli_main
-
-    return cli_main(["serve-env", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

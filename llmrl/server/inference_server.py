@@ -19,30 +19,38 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import ValidationError
 from safetensors import SafetensorError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmrl.inference.engine import LocalEngine
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
-from llmrl.types import MAX_POLICY_VERSION, ChatMessage, GenerationArgs, InferenceRequest, InferenceResponse
+from llmrl.types import (
+    MAX_POLICY_VERSION,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    GenerationArgs,
+    GenerationFields,
+    InferenceRequest,
+    InferenceResponse,
+    WeightsByPath,
+    validation_problems,
+)
 
 MIB = 1024**2
 GIB = 1024**3
-DEFAULT_MAX_TOKENS = 16
-"""Completion length when a request sets no ``max_tokens`` (OpenAI's default for completions)."""
 WEIGHTS_PATH = "/v1/weights"
 
 # OpenAI and vLLM fields this server does not implement. A request may send them only with a value
@@ -61,74 +69,6 @@ class RequestRefused(Exception):
         self.message = message
 
 
-class _GenerationFields(BaseModel):
-    """Fields shared by both generation routes. Unknown fields are kept, then checked (see `_UNSUPPORTED`)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = Field(None, description="Echoed in the response; this server serves one model.")
-    n: StrictInt = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: StrictInt = Field(0, ge=-1, description="Extension; 0 or -1 (vLLM's spelling) turn top-k off.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    min_tokens: StrictInt = Field(0, ge=0)
-    ignore_eos: StrictBool = False
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    logprobs: StrictBool | StrictInt | None = Field(
-        None, description="True or an int (completions' top count) adds OpenAI logprobs."
-    )
-    stop_token_ids: list[StrictInt] | None = None
-    prompt_token_ids: list[StrictInt] | None = None
-
-    def completion_limit(self) -> int:
-        return self.max_tokens or DEFAULT_MAX_TOKENS
-
-
-class CompletionBody(_GenerationFields):
-    prompt: str
-
-
-class _MessagePart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    """A chat message as OpenAI clients send it (text content, or a list of text parts; `name` ignored)."""
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[_MessagePart]
-
-    def to_chat_message(self) -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return ChatMessage(role=self.role, content=content)
-
-
-class ChatBody(_GenerationFields):
-    messages: list[_Message] = Field(min_length=1)
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables of the chat template.")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
-
-    def completion_limit(self) -> int:
-        return self.max_completion_tokens or super().completion_limit()
-
-
-class WeightsByPath(BaseModel):
-    """JSON body of ``POST /v1/weights``: load `path` (inside the server's weights folder) as `version`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    version: int = Field(ge=0, le=MAX_POLICY_VERSION, strict=True)
-    path: str = Field(min_length=1)
-    reset: bool = False
-    """Serve these weights even if `version` is not newer (a trainer starting or resuming a run)."""
-
-
 class _InferenceServer:
     """The routes' state and logic; `create_inference_app` wires them to two FastAPI apps."""
 
@@ -145,19 +85,19 @@ class _InferenceServer:
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(
-        self, body: _GenerationFields, prompt: str | list[ChatMessage], chat: bool
+        self, body: GenerationFields, prompt: str | list[ChatMessage], chat: bool
     ) -> JSONResponse:
         try:
             request = self._inference_request(body, prompt)
             responses = await self.engine.agenerate(request)
         except ValidationError as exc:
-            raise RequestRefused(400, _validation_message(exc)) from None
+            raise RequestRefused(400, validation_problems(exc.errors())) from None
         except ValueError as exc:  # the engine's verdict on this request (prompt too long, ...)
             raise RequestRefused(400, str(exc)) from None
         return JSONResponse(self._openai_response(body, responses, chat))
 
     def _inference_request(
-        self, body: _GenerationFields, prompt: str | list[ChatMessage]
+        self, body: GenerationFields, prompt: str | list[ChatMessage]
     ) -> InferenceRequest:
         _refuse_unsupported(body)
         if body.n > self.max_n:
@@ -183,7 +123,7 @@ class _InferenceServer:
         )
 
     def _openai_response(
-        self, body: _GenerationFields, responses: list[InferenceResponse], chat: bool
+        self, body: GenerationFields, responses: list[InferenceResponse], chat: bool
     ) -> dict:
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         prompt_tokens = len(responses[0].prompt_token_ids)
@@ -315,16 +255,12 @@ class _InferenceServer:
         return {"status": "ok", "policy_version": self.engine.policy_version}
 
 
-def _refuse_unsupported(body: _GenerationFields) -> None:
+def _refuse_unsupported(body: GenerationFields) -> None:
     extra = body.model_extra or {}
     for name in _UNSUPPORTED:
         value = extra.get(name)
         if value and value != _NEUTRAL_VALUES.get(name):
             raise RequestRefused(400, f"{name} is not supported by this server (got {value!r})")
-
-
-def _validation_message(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
 
 
 def _query_version(request: Request) -> int:
@@ -475,14 +411,3 @@ def serve_inference(
         engine, model_name=model_spec, api_key=resolve_api_key(api_key), weights_dir=weights_dir
     )
     run_server(app, host, port)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m llmrl.server.inference_server`` is ``llmrl serve-inference`` (same arguments)."""
-    from llmrl.cli import main as cli_main
-
-    return cli_main(["serve-inference", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

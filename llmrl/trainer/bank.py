@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmrl.logging import atomic_write
+from llmrl.telemetry import atomic_write
 from llmrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from llmrl.algorithms.packing import (
     unpack,
 )
 from llmrl.config import AlgorithmConfig, TrainingConfig
-from llmrl.logging import trace_span
+from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.trainer.rollouts import RolloutBatch
 from llmrl.types import GenerationArgs

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from llmrl.logging import atomic_write
+from llmrl.telemetry import atomic_write
 
 _ENV_REWARD_KEY = re.compile(r"reward/(?P<env>.+)/mean")
 _EVAL_KEY = re.compile(r"eval/(?P<env>.+)/(?P<metric>pass@\d+|greedy_accuracy)")
@@ -110,7 +110,7 @@ def plot_curves(
 ) -> Path:
     """Draw a run's curves into the PNG `output` (replaced atomically) and return its path.
 
-    `metrics` are rows as `llmrl.logging.read_metrics` returns them: each has "step", any subset of
+    `metrics` are rows as `llmrl.telemetry.read_metrics` returns them: each has "step", any subset of
     metric keys, and NaN for values that were not finite. Left panel: `reward/mean` against step, plus
     one curve per environment (`reward/<env>/mean`) when there are several. Right panel: every
     `eval/<env>/pass@<k>` and `eval/<env>/greedy_accuracy`, with markers, or "no evaluation yet".

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmrl.config import config_from_dict
-from llmrl.logging import read_metrics
+from llmrl.telemetry import read_metrics
 from llmrl.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 from servers import serving
 
 from llmrl.config import load_config
-from llmrl.logging import read_jsonl, read_metrics
+from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -22,9 +22,9 @@ def test_training_against_an_inference_server_and_an_environment_server(tmp_path
     weights = tmp_path / "weights"
     weights.mkdir()
     with (
-        serving("llmrl.server.inference_server", "--model", "tiny://arithmetic", "--weights-dir", str(weights),
+        serving("llmrl", "serve-inference", "--model", "tiny://arithmetic", "--weights-dir", str(weights),
                 log_path=tmp_path / "inference.log") as inference_url,
-        serving("llmrl.server.env_server", str(EXAMPLE / "env.yaml"), log_path=tmp_path / "env.log") as env_url,
+        serving("llmrl", "serve-env", str(EXAMPLE / "env.yaml"), log_path=tmp_path / "env.log") as env_url,
     ):  # fmt: skip
         config = load_config(EXAMPLE / "train.yaml", [
             f"run_dir={tmp_path / 'run'}", f"inference.base_url={inference_url}/v1", f"inference.weights_dir={weights}",

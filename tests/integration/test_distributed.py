@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmrl.logging import read_metrics
+from llmrl.telemetry import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The environment server as its own process (`python -m llmrl.server.env_server`), reached over a socket."""
+"""The environment server as its own process (`python -m llmrl serve-env`), reached over a socket."""
 
 import asyncio
 from types import SimpleNamespace
@@ -35,7 +35,8 @@ def test_env_server_process_validates_authenticates_and_serves_a_remote_agent(
 ):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serving(
-        "llmrl.server.env_server",
+        "llmrl",
+        "serve-env",
         str(config_file),
         "--api-key",
         TOKEN,
@@ -75,9 +76,9 @@ def test_remote_agent_with_the_real_inference_server(tmp_path, config_file, tiny
     model = ["--model", "tiny://arithmetic"]
     with (
         serving(
-            "llmrl.server.inference_server", *model, log_path=tmp_path / "inference.log"
+            "llmrl", "serve-inference", *model, log_path=tmp_path / "inference.log"
         ) as inference_url,
-        serving("llmrl.server.env_server", str(config_file), log_path=tmp_path / "env.log") as env_url,
+        serving("llmrl", "serve-env", str(config_file), log_path=tmp_path / "env.log") as env_url,
     ):
         inference = OpenAIInterface(f"{inference_url}/v1")
         agent = RemoteAgent(env_url, remote_env_id="arithmetic")

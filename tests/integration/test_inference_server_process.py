@@ -17,11 +17,11 @@ KEY = "integration-key"
 
 @pytest.fixture
 def server(tiny_model_path, tmp_path):
-    """``python -m llmrl.server.inference_server`` running: yields (base_url, weights dir); always stopped."""
+    """``python -m llmrl serve-inference`` running: yields (base_url, weights dir); always stopped."""
     folder = tmp_path / "weights"
     folder.mkdir()
     with serving(
-        "llmrl.server.inference_server", "--model", "tiny://arithmetic", "--api-key", KEY, "--weights-dir", str(folder),
+        "llmrl", "serve-inference", "--model", "tiny://arithmetic", "--api-key", KEY, "--weights-dir", str(folder),
         log_path=tmp_path / "server.log", headers={"Authorization": f"Bearer {KEY}"},
     ) as base_url:  # fmt: skip
         yield base_url, folder

@@ -5,8 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from llmrl.envs.arithmetic import ArithmeticAgent, score
+from llmrl.envs.arithmetic import ArithmeticAgent
 from llmrl.inference.engine import LocalEngine
+from llmrl.tasks.arithmetic import score
 from llmrl.types import GenerationArgs
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmrl.config import load_config
-from llmrl.logging import read_jsonl, read_metrics
+from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
 from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.rollouts import InferenceUnavailableError

@@ -11,7 +11,8 @@ import httpx
 from scripted_inference import ScriptedInference
 
 from llmrl.config import RunConfig, config_from_dict
-from llmrl.server.env_server import InferenceEndpoint, create_env_app
+from llmrl.server.env_server import create_env_app
+from llmrl.types import InferenceEndpoint
 
 INFERENCE_URL = "http://inference.test/v1"
 SERVER_URL = "http://env.test"

@@ -16,6 +16,7 @@ from env_server_helpers import (
     rollouts_body,
 )
 
+from llmrl import cli
 from llmrl.server import env_server
 from llmrl.types import EvaluationResponse, RolloutGroup
 
@@ -241,19 +242,20 @@ def test_default_inference_factory_reuses_one_client_per_endpoint():
     assert factory.interfaces == {}
 
 
-def test_main_reports_config_errors_and_exits_2(tmp_path, capsys, monkeypatch):
-    assert env_server.main([str(tmp_path / "missing.yaml")]) == 2
+def test_serve_env_reports_config_errors_and_exits_2(tmp_path, capsys, monkeypatch):
+    assert cli.main(["serve-env", str(tmp_path / "missing.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
     config = tmp_path / "env.yaml"
     config.write_text(
         "environments: [{agent_type: arithmetic}]\ninference: {api_key_env: UNSET_INFERENCE_TOKEN}\n"
     )
     monkeypatch.delenv("UNSET_INFERENCE_TOKEN", raising=False)
-    assert env_server.main([str(config)]) == 2
+    assert cli.main(["serve-env", str(config)]) == 2
     assert "environment variable UNSET_INFERENCE_TOKEN is not set" in capsys.readouterr().err
     assert (
-        env_server.main(
+        cli.main(
             [
+                "serve-env",
                 str(config),
                 "--set",
                 "inference.api_key_env=null",

@@ -8,7 +8,8 @@ from fractions import Fraction
 import pytest
 from scripted_inference import ScriptedInference
 
-from llmrl.envs.countdown import CountdownAgent, countdown_reward, evaluate_expression, generate_problem
+from llmrl.envs.countdown import CountdownAgent, generate_problem
+from llmrl.rewards.countdown import countdown_reward, evaluate_expression
 
 NUMBERS = (3, 7, 25, 50)
 TARGET = 82  # (50 - 25) * 3 + 7

@@ -8,7 +8,8 @@ import pytest
 from scripted_inference import ScriptedInference
 
 from llmrl.agents.dataset import packaged_data
-from llmrl.envs.math import GSM8KAgent, MathAgent, is_equivalent, math_reward
+from llmrl.envs.math import GSM8KAgent, MathAgent
+from llmrl.rewards.answers import is_equivalent, math_reward
 
 
 @pytest.mark.parametrize(

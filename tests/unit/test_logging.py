@@ -16,7 +16,15 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from llmrl.logging import MetricsLogger, RolloutLog, Tracer, read_jsonl, read_metrics, trace_span, use_tracer
+from llmrl.telemetry import (
+    MetricsLogger,
+    RolloutLog,
+    Tracer,
+    read_jsonl,
+    read_metrics,
+    trace_span,
+    use_tracer,
+)
 from llmrl.types import Rollout, TokenRollout
 
 

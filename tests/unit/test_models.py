@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
-from llmrl.envs.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
+from llmrl.cache import cache_root
 from llmrl.models import TINY_MODELS, export_model, load_model, resolve_model_spec, tiny
 from llmrl.models.tiny import BUILD_INFO, IM_END, PAD_TOKEN, TinyRecipe, build_tiny_model, tiny_model_path
+from llmrl.tasks.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
 
 # A recipe that builds in about a second: same tokenizer and code path, a toy network and 3 steps.
 MICRO = dataclasses.replace(
@@ -156,9 +157,9 @@ def test_export_writes_a_plain_folder_that_loads_back(micro_registry, tmp_path):
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path))
-    assert tiny.cache_root() == tmp_path
+    assert cache_root() == tmp_path
     monkeypatch.delenv("LLMRL_CACHE_DIR")
-    assert tiny.cache_root().parts[-2:] == (".cache", "llmrl")
+    assert cache_root().parts[-2:] == (".cache", "llmrl")
 
 
 # --- load_model errors -------------------------------------------------------------------------

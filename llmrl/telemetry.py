@@ -16,7 +16,7 @@ Non-finite metric values (NaN, inf) are kept in the JSONL as `null` (read back a
 `read_metrics`), so the file shows when they happened; TensorBoard and W&B skip them because a
 single NaN spoils their smoothed curves. Non-numeric metric values are a `ValueError`.
 
-This module is `llmrl.logging`; it never imports the standard `logging` module by a relative name.
+This module is `llmrl.telemetry`; it never imports the standard `logging` module by a relative name.
 """
 
 from __future__ import annotations
