@@ -82,8 +82,12 @@ from llmrl.models.tiny import cache_root
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("llama", "qwen2")
-"""`config.model_type` values served by `LlamaFamilyDecoder`."""
+SUPPORTED_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""`config.model_type` values served by `LlamaFamilyDecoder`, with transformers' class of each
+(a remote-code model of the same type may compute something else)."""
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+"""Rotary scalings `LlamaFamilyDecoder` takes from the model's own rotary module once: their
+frequencies do not depend on the sequence."""
 
 
 class Decoder(Protocol):
@@ -658,13 +662,14 @@ class LlamaFamilyDecoder:
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         config = getattr(model, "config", None)
-        if config is None or getattr(config, "model_type", None) not in SUPPORTED_FAMILIES:
+        model_class = SUPPORTED_FAMILIES.get(getattr(config, "model_type", None))
+        if type(model).__name__ != model_class or not type(model).__module__.startswith("transformers."):
             return False
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
             return False  # sliding-window layers need a windowed mask this cache does not build
         rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type in ("dynamic", "longrope"):
-            return False  # their frequencies change with the sequence length; the table here is fixed
+        if rope_type not in STATIC_ROPE:
+            return False  # e.g. frequencies that change with the sequence length; the table here is fixed
         inner = getattr(model, "model", None)
         return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(
             model, "lm_head"
