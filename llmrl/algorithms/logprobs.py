@@ -26,7 +26,9 @@ keeps what autograd saves (a few copies of at most `CHUNK_ELEMENTS` logits) inst
 
 `token_logprobs` runs a Hugging Face causal LM on a `llmrl.algorithms.packing.PackedBatch` and keeps
 only the tokens in its loss mask; `selective_log_softmax` and `logprobs_from_hidden` are the pure
-tensor functions underneath.
+tensor functions underneath. Models whose logits are not plain ``lm_head(hidden)`` (Gemma 2's
+final soft-capping ``c tanh(z / c)``, Cohere's scale, Granite's divisor) get the same transform
+(`logit_transform`), applied in float32, before the temperature.
 """
 
 from __future__ import annotations
@@ -132,16 +134,18 @@ def logprobs_from_hidden(
     temperature: float | SamplingParams = 1.0,
     *,
     lm_head_bias: torch.Tensor | None = None,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     with_entropy: bool = False,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Like `selective_log_softmax` of ``hidden @ lm_head_weight.T + bias``, applying the LM head per
-    chunk so the ``[..., V]`` logits are never all in memory.
+    """Like `selective_log_softmax` of ``transform(hidden @ lm_head_weight.T + bias)``, applying the
+    LM head per chunk so the ``[..., V]`` logits are never all in memory.
 
     Args:
         hidden: ``[..., H]`` final hidden states (after the model's last norm).
         lm_head_weight: ``[V, H]``.
         targets: ``[...]`` token ids.
+        transform: what the model does to its float32 logits (`logit_transform`); None: nothing.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"targets has shape {tuple(targets.shape)}, hidden needs {tuple(hidden.shape[:-1])}")
@@ -152,7 +156,7 @@ def logprobs_from_hidden(
     flat_logprobs, flat_entropies = _chunked(
         hidden.reshape(-1, hidden.shape[-1]),
         targets.reshape(-1),
-        lambda x: F.linear(x, lm_head_weight, lm_head_bias),
+        _lm_head(lm_head_weight, lm_head_bias, transform),
         lm_head_weight.shape[0],
         _flat(temperature),
         with_entropy,
@@ -184,7 +188,7 @@ def token_logprobs(
     of token ``t`` given the tokens before it in its sequence, filled in where ``batch.loss_mask`` is
     True and 0 elsewhere (the LM head only runs on those tokens).
     """
-    _check_plain_lm_head(model)
+    _check_causal_lm(model)
     backbone = model.base_model
     lm_head = model.get_output_embeddings()
     hidden = backbone(
@@ -203,6 +207,7 @@ def token_logprobs(
             batch.input_ids[rows, columns],  # (N,)
             temperature if isinstance(temperature, int | float) else temperature.map(lambda t: t[rows, columns]),
             lm_head_bias=lm_head.bias,
+            transform=logit_transform(model.config),
             with_entropy=with_entropy,
             chunk_size=chunk_size,
         )
@@ -305,22 +310,41 @@ def _attention_mask(model: torch.nn.Module, batch: PackedBatch, dtype: torch.dty
     )
 
 
-# Config attributes of models whose logits are not plain ``lm_head(hidden)`` (soft-capping, scaling).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+def logit_transform(config: object) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a model's ``...ForCausalLM.forward`` does to ``lm_head(hidden)``, per its config; None: nothing.
+
+    transformers' models read these config attributes: ``final_logit_softcapping`` c (Gemma 2 and
+    3: ``c tanh(z / c)``), ``logit_scale`` s (Cohere: ``s z``), ``logits_scaling`` d (Granite: ``z / d``).
+    """
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    divisor = getattr(config, "logits_scaling", None)
+    steps = []
+    if cap is not None:
+        steps.append(lambda z: torch.tanh(z / cap) * cap)
+    if scale not in (None, 1, 1.0):
+        steps.append(lambda z: z * scale)
+    if divisor not in (None, 1, 1.0):
+        steps.append(lambda z: z / divisor)
+    if not steps:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            logits = step(logits)
+        return logits
+
+    return transform
 
 
-def _check_plain_lm_head(model: torch.nn.Module) -> None:
-    config = getattr(model, "config", None)
-    transforms = {
-        name: getattr(config, name)
-        for name in _LOGIT_TRANSFORMS
-        if getattr(config, name, None) not in (None, 1, 1.0)
-    }
-    if transforms:
-        raise ValueError(
-            f"token_logprobs applies the LM head itself and supports only logits = lm_head(hidden); "
-            f"this model also transforms its logits ({transforms})"
-        )
+def _lm_head(weight: torch.Tensor, bias: torch.Tensor | None, transform: Callable[[torch.Tensor], torch.Tensor] | None
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+    if transform is None:
+        return lambda x: F.linear(x, weight, bias)
+    return lambda x: transform(F.linear(x, weight, bias).float())
+
+
+def _check_causal_lm(model: torch.nn.Module) -> None:
     if model.get_output_embeddings() is None or model.base_model is model:
         raise ValueError(
             f"token_logprobs needs a causal LM with an output embedding (a ...ForCausalLM), got {type(model).__name__}"

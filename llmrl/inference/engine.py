@@ -79,6 +79,7 @@ from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, list_tensor
 from llmrl.inference.interface import run_sync, running_loop
 from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, penalize, row_sampling, sample_tokens
+from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
 from llmrl.weight_checks import weight_problem
 
@@ -192,6 +193,7 @@ class LocalEngine:
             raise ValueError(f"weight_update must be 'drain' or 'abort', got {weight_update!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        check_supported(model.config)  # before the first generation, not after it
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens

@@ -2,6 +2,10 @@
 
 A spec is ``tiny://NAME`` (the embedded model of `llmrl.models.tiny`, built on first use), a local
 folder written by `save_pretrained`, or a Hugging Face hub id handed to `transformers` as is.
+
+Models with a feature llmrl cannot reproduce exactly between its inference engine and its
+trainer are refused here, before their weights load (`check_supported`), rather than after a first
+generation or a first training step.
 """
 
 from __future__ import annotations
@@ -51,6 +55,56 @@ def resolve_model_spec(spec: str) -> str:
     return spec
 
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""Rotary scalings whose frequencies follow the length of the sequence in the forward pass."""
+
+
+def check_supported(config: object, attn_implementation: str | None = None) -> None:
+    """Raise `ValueError`, naming the feature and the model type, if llmrl cannot serve and train a
+    model of `config` with the same numbers (`attn_implementation`: the attention kernel asked for,
+    None: the one already in `config`).
+
+    * Rotary embeddings whose frequencies depend on the sequence length (``rope_type`` dynamic or
+      longrope): transformers picks them from the longest position of each forward, so keys cached
+      while generating keep the frequencies of a shorter sequence than the training forward uses.
+    * Attention logit soft-capping (Gemma 2) under ``sdpa``, which has no soft-capping.
+    * Bidirectional attention (``use_bidirectional_attention``, embedding models): not a causal LM.
+    """
+    model_type = getattr(config, "model_type", type(config).__name__)
+    for text_config in _text_configs(config):
+        for rope in _rope_parameters(text_config):
+            if rope.get("rope_type") in LENGTH_DEPENDENT_ROPE:
+                raise ValueError(
+                    f"model type {model_type!r}: rotary scaling rope_type={rope['rope_type']!r} is not supported "
+                    f"(its frequencies change with the sequence length, so generation with a KV cache and a "
+                    f"training forward would give different logprobs)"
+                )
+        implementation = attn_implementation or getattr(text_config, "_attn_implementation", None)
+        softcap = getattr(text_config, "attn_logit_softcapping", None)
+        if softcap is not None and implementation == "sdpa":
+            raise ValueError(
+                f"model type {model_type!r}: attention logit soft-capping (attn_logit_softcapping={softcap}) is not "
+                f"supported with attn_implementation='sdpa', which cannot soft-cap; use attn_implementation='eager'"
+            )
+        if getattr(text_config, "use_bidirectional_attention", False):
+            raise ValueError(f"model type {model_type!r}: bidirectional attention (use_bidirectional_attention=True) "
+                             f"is not supported: llmrl trains causal language models")
+
+
+def _text_configs(config: object) -> list[object]:
+    """`config` and its text model's config, where it has one (multimodal models)."""
+    text = getattr(config, "text_config", None)
+    return [config] if text is None or text is config else [config, text]
+
+
+def _rope_parameters(config: object) -> list[dict]:
+    """The rotary settings of `config`: one dict, or one per attention kind (Gemma 3's local and global)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if all(isinstance(value, dict) for value in parameters.values()) and parameters:
+        return list(parameters.values())
+    return [parameters]
+
+
 def load_model(
     spec: str,
     *,
@@ -60,6 +114,8 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer; the tokenizer always has a pad token.
+
+    A model with a feature llmrl does not support raises `ValueError` naming it (`check_supported`).
 
     The model comes back in eval mode on `device`. Tokenizers without a pad token get their eos
     token as pad (generation masks padding by attention mask, so the two never get confused).
@@ -79,8 +135,13 @@ def load_model(
         if tokenizer.eos_token is None:
             raise ValueError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise ValueError(f"model spec {spec!r}: cannot load its config: {exc}") from exc
+    check_supported(config, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        source, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
