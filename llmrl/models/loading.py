@@ -10,7 +10,13 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 TINY_SCHEME = "tiny://"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,8 +61,10 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer; the tokenizer always has a pad token.
 
-    The model comes back in eval mode on `device`. Tokenizers without a pad token get their eos
-    token as pad (generation masks padding by attention mask, so the two never get confused).
+    The model comes back in eval mode on `device`. On the ``meta`` device it is built from its
+    config alone, its weights never read (a rank that receives its shards from another). Tokenizers
+    without a pad token get their eos token as pad (generation masks padding by attention mask, so
+    the two never get confused).
     """
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -73,9 +81,16 @@ def load_model(
         if tokenizer.eos_token is None:
             raise ValueError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-    )
+    if torch.device(device).type == "meta":
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)

@@ -36,9 +36,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+from llmrl.models import load_model
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -80,15 +86,24 @@ class ShardedCausalLM:
 
 def tied_duplicates(model: torch.nn.Module) -> set[str]:
     """State-dict names that alias an earlier entry's tensor (tied embeddings): a Hugging Face folder
-    stores each tensor once. Call it before sharding, while aliases share storage."""
-    seen: set[tuple[int, int]] = set()
-    duplicates = set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            duplicates.add(name)
-        seen.add(key)
-    return duplicates
+    stores each tensor once. Aliases are one and the same parameter, on a sharded or meta model too."""
+    first_names = _first_names(model)
+    return {name for name in model.state_dict(keep_vars=True) if first_names.get(name, name) != name}
+
+
+def _first_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's and buffer's name -> the first name under which the same tensor is registered."""
+    first: dict[int, str] = {}
+    names = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names[name] = first.setdefault(id(tensor), name)
+    return names
+
+
+def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module that registers the parameter or buffer `name`, and its attribute name there."""
+    module_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(module_name), attribute
 
 
 class Distributed:
@@ -143,6 +158,35 @@ class Distributed:
                 # gloo has no pre-multiplied sum; a plain sum (divided by 1) is what we want anyway.
                 module.set_force_sum_reduction_for_comms(True)
         return model
+
+    def load_model(self, spec: str, *, device: str, **options: Any) -> tuple[torch.nn.Module, Any]:
+        """`llmrl.models.load_model(spec, device=device, **options)`, sharded, with no full copy on any rank but 0.
+
+        Rank 0 loads the weights; the others build the model on the meta device (no memory). Every
+        rank shards it, then rank 0 broadcasts the weights one tensor at a time and each rank keeps
+        its shard; rank 0's full copy is freed on return. What a state dict lacks is mended on the
+        other ranks: aliases (tied embeddings), which loading into a meta model replaces by separate
+        tensors, are tied again, and the non-persistent buffers (rotary ``inv_freq``) are rank 0's.
+        """
+        model, tokenizer = load_model(spec, device=device if self.is_main else "meta", **options)
+        first_names = _first_names(model)
+        full = model.state_dict() if self.is_main else {}  # holds rank 0's weights through sharding
+        self.shard(model)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        if not self.is_main:
+            for name, first in first_names.items():
+                if name != first:
+                    setattr(*_owner(model, name), getattr(*_owner(model, first)))
+        for module in model.modules():
+            for name in sorted(module._non_persistent_buffers_set):  # sorted: set order differs between processes
+                buffer = module._buffers[name]
+                if buffer is None:
+                    continue
+                value = buffer if self.is_main else torch.empty_like(buffer, device=self.device)
+                dist.broadcast(value, src=0)
+                module._buffers[name] = value
+        return model, tokenizer
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded weights on CPU on rank 0 ({} elsewhere); every rank must call it."""

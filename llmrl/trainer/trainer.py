@@ -107,7 +107,9 @@ class Trainer:
         checkpoint = _checkpoint_to_resume(config, resume)
         torch.manual_seed(config.seed)
 
-        self.policy, self.tokenizer = load_model(
+        # Over several processes each rank receives its shards of the loaded model (`Distributed.load_model`).
+        load = load_model if self.distributed is None else self.distributed.load_model
+        self.policy, self.tokenizer = load(
             str(checkpoint[1] / "model") if checkpoint else config.model.spec,
             dtype=config.model.dtype, device=device, attn_implementation=config.model.attn_implementation,
             trust_remote_code=config.model.trust_remote_code,
@@ -115,16 +117,12 @@ class Trainer:
         self.policy.train()
         reference = None
         if config.algorithm.kl_beta > 0:  # loaded once, never per step
-            reference, _ = load_model(config.model.spec, dtype=config.model.dtype, device=device,
-                                      attn_implementation=config.model.attn_implementation,
-                                      trust_remote_code=config.model.trust_remote_code)
+            reference, _ = load(config.model.spec, dtype=config.model.dtype, device=device,
+                                attn_implementation=config.model.attn_implementation,
+                                trust_remote_code=config.model.trust_remote_code)
             reference.eval().requires_grad_(False)
         # Names aliasing another entry (tied embeddings): sent and exported once, under the first name.
         self._tied_names = tied_duplicates(self.policy)
-        if self.distributed is not None:
-            self.distributed.shard(self.policy)
-            if reference is not None:
-                self.distributed.shard(reference)
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
         self.generation_args = generation if generation.seed is not None else generation.merge(
