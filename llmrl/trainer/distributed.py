@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import types
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
+from llmrl.inference.interface import weight_buckets
 from llmrl.models import load_model
 
 
@@ -191,6 +194,26 @@ class Distributed:
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded weights on CPU on rank 0 ({} elsewhere); every rank must call it."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def gathered_buckets(
+        self, model: torch.nn.Module, bucket_bytes: int, *, skip: Collection[str] = ()
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The unsharded weights, but the names in `skip`, in buckets of at most `bucket_bytes`
+        (`weight_buckets`: a decoder layer larger than that is one bucket), on CPU on rank 0 and
+        empty elsewhere.
+
+        Each bucket is all-gathered by every rank when it is read, so every rank must read the
+        iterator to its end, in step; rank 0 holds the bucket it is given and no other.
+        """
+        state = {name: value for name, value in get_model_state_dict(model).items() if name not in skip}
+        sizes = {name: value.numel() * value.element_size() for name, value in state.items()}
+        for names in weight_buckets(list(state), sizes, bucket_bytes):
+            bucket = {}
+            for name in names:
+                value = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+                if self.is_main:
+                    bucket[name] = value.cpu()
+            yield bucket
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (picklable objects; pydantic models included)."""

@@ -63,7 +63,7 @@ from llmrl.types import GenerationArgs
 # Fields that may change between a run and its resumption without changing what it trains.
 _RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
                       "inference.api_key_env", "inference.request_timeout_s", "inference.weights_dir",
-                      "inference.weight_sync_timeout_s", "inference.vllm")
+                      "inference.weight_sync_timeout_s", "inference.weight_sync_bucket_mb", "inference.vllm")
 # Written fresh by a run that starts from step 0.
 _RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
 
@@ -250,20 +250,25 @@ class Trainer:
         return metrics | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
 
     def _sync_weights(self, version: int, *, reset: bool = False) -> None:
-        """Serve the policy's weights as `version` (over several processes, gathered for rank 0's engine)."""
+        """Serve the policy's weights as `version` (over several processes, gathered bucket by bucket
+        for rank 0's inference side: every rank takes part in each bucket)."""
         if self.distributed is None:
-            weights = self.policy.state_dict()
+            weights: Any = self._untied(self.policy.state_dict())
         else:
-            weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
+            bucket_bytes = self.config.inference.weight_sync_bucket_mb << 20
+            weights = self.distributed.gathered_buckets(self.policy, bucket_bytes, skip=self._tied_names)
         if self.is_main:
             started = time.time()
             try:
-                self.inference.update_weights(self._untied(weights), version=version, reset=reset)
+                self.inference.update_weights(weights, version=version, reset=reset)
             except Exception as exc:
                 if getattr(self.inference, "unreachable_since", None) is None:
                     raise
                 detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
                 raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
+        if self.distributed is not None:
+            for _ in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
+                pass
 
     def _untied(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`weights` without the names that alias another entry (tied embeddings)."""
