@@ -9,6 +9,11 @@ its token-balanced share of each mini-batch (`split_by_tokens`). The losses are 
 the global denominator, so gradients are summed across ranks (gradient divide factor 1), and a run
 computes the same update as one process, up to the order of floating-point additions.
 
+No rank but 0 ever holds the full model: rank 0 loads it, the others build it on the meta device,
+and rank 0's weights reach every rank's shards tensor by tensor (`Distributed.load_model`). The
+weight sync gathers the shards for rank 0's inference side in bounded buckets
+(`Distributed.gathered_buckets`), so rank 0 holds one bucket at a time besides its engine.
+
 FSDP2 runs collectives inside every forward and backward pass, so every rank must run the same
 number of them: a rank with fewer micro-batches than the others runs zero-weight passes
 (`PolicyUpdate` asks `max_count` how many).
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -175,7 +181,9 @@ class Distributed:
         first_names = _first_names(model)
         full = model.state_dict() if self.is_main else {}  # holds rank 0's weights through sharding
         self.shard(model)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        with warnings.catch_warnings():  # DCP's look-up of the default device of a meta-built model warns twice
+            warnings.simplefilter("ignore", UserWarning)
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full
         if not self.is_main:
             for name, first in first_names.items():
