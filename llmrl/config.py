@@ -102,6 +102,8 @@ class InferenceConfig(Section):
     """Folder the trainer and an inference server (`--weights-dir`) both read: weights are synced as files there instead of streamed over HTTP."""
     weight_sync_timeout_s: float = Field(300.0, gt=0)
     """Longest a weight sync to an inference server may take before the run stops with an error."""
+    weight_sync_bucket_mb: int = Field(512, ge=1)
+    """Under torchrun, most megabytes of sharded weights gathered at once for rank 0's inference side (a decoder layer larger than that is gathered whole): each bucket is handed over before the next is gathered, so rank 0 never holds a second full copy for the sync. One process hands over its own weights, uncopied."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """vLLM servers (type `vllm`)."""
     generation: GenerationArgs = Field(default_factory=lambda: GenerationArgs(max_tokens=16))

@@ -66,7 +66,7 @@ import asyncio
 import random
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +77,7 @@ from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, list_tensor
-from llmrl.inference.interface import run_sync, running_loop
+from llmrl.inference.interface import Weights, run_sync, running_loop
 from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, penalize, row_sampling, sample_tokens
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
@@ -123,7 +123,7 @@ class _Driver:
 
 @dataclass(eq=False)
 class _WeightUpdate:
-    state_dict: dict[str, torch.Tensor]
+    buckets: Iterable[dict[str, torch.Tensor]]  # read once, when the update is applied
     version: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -263,21 +263,29 @@ class LocalEngine:
         """Blocking form of `agenerate` (not from inside a running event loop)."""
         return run_sync(self.agenerate(request))
 
-    def update_weights(
-        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
-    ) -> None:
-        """Serve new weights (a state dict, a safetensors/torch file, or a folder of them) as `version`.
+    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
+        """Serve new weights (a state dict, a safetensors/torch file, a folder of them, or an
+        iterable of bucket dicts) as `version`.
 
         Keys are the model's ``state_dict`` names; a subset updates only those parameters. Returns
         once the new weights serve (see the module docstring for in-flight sequences). The engine
         serves whatever version it is given, so `reset` (see `InferenceInterface`) changes nothing.
+
+        Buckets are copied into the model one at a time, all between the same two decode steps, by
+        the thread that applies the update (this one when the engine is idle, else the one stepping
+        the batch); the version changes after the last. Each bucket is checked before it is copied:
+        one that fails leaves the buckets before it applied (the old version on partly new weights,
+        until the next update) and raises here.
         """
         del reset
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION:
             raise ValueError(f"version must be an integer in 0..{MAX_POLICY_VERSION}, got {version!r}")
-        state = state_dict_or_path if isinstance(state_dict_or_path, dict) else _read_state_dict(state_dict_or_path)
-        self._check_state_dict(state)
-        update = _WeightUpdate(state, version)
+        if isinstance(state_dict_or_path, (dict, str, Path)):
+            state = state_dict_or_path if isinstance(state_dict_or_path, dict) else _read_state_dict(state_dict_or_path)
+            self._check_state_dict(state)  # here, before the update waits its turn
+            update = _WeightUpdate([state], version)
+        else:
+            update = _WeightUpdate(self._checked(state_dict_or_path), version)
         with self._lock:
             self._updates.append(update)
             driver = self._driver
@@ -375,6 +383,11 @@ class LocalEngine:
         if eos and closing.startswith(eos) and prefix[-1] == self.tokenizer.eos_token_id:
             closing = closing[len(eos):]
         return list(self.tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"])
+
+    def _checked(self, buckets: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for bucket in buckets:
+            self._check_state_dict(bucket)
+            yield bucket
 
     def _check_state_dict(self, state: dict[str, Any]) -> None:
         own = self.model.state_dict()
@@ -509,7 +522,8 @@ class LocalEngine:
         for update in self._updates:
             try:
                 with torch.inference_mode(False), torch.no_grad():
-                    self.model.load_state_dict(update.state_dict, strict=False)
+                    for bucket in update.buckets:
+                        self.model.load_state_dict(bucket, strict=False)
                 self._decoder.refresh_weights()
                 self._version = update.version
             except Exception as exc:  # noqa: BLE001 - reported to the caller of update_weights

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -11,6 +11,10 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from llmrl.types import InferenceRequest, InferenceResponse
 
 T = TypeVar("T")
+
+Weights = dict[str, Any] | str | Path | Iterable[dict[str, Any]]
+"""What `InferenceInterface.update_weights` takes: a state dict, a file or folder of weights, or a
+stream of buckets (see there)."""
 
 
 @runtime_checkable
@@ -25,14 +29,48 @@ class InferenceInterface(Protocol):
         """Blocking form of `agenerate`."""
         ...
 
-    def update_weights(
-        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
-    ) -> None:
+    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
         """Serve new weights, stamping later responses with `version`.
 
         Versions normally only grow; `reset` replaces whatever is served even with an older version
-        (a trainer starting or resuming a run owns the sequence)."""
+        (a trainer starting or resuming a run owns the sequence).
+
+        Besides a state dict or a path, the weights may come as an iterable of bucket dicts (a
+        trainer gathering sharded weights bucket by bucket, `weight_buckets`): together they hold
+        every tensor once, a decoder layer's tensors in one bucket. Each bucket may be produced on
+        demand (collectives with other processes), so it is read in order, at most once, and its
+        tensors are not kept beyond what the implementation needs; the new version serves once the
+        last bucket is in. An implementation reads it to its end unless it fails or has nothing to
+        do (the version it already serves); a producer that needs it read to the end drains it."""
         ...
+
+
+def weight_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
+    """Split `names` (in order) into buckets of at most `bucket_bytes`, never splitting a decoder
+    layer, so that fused pieces (q/k/v, gate/up) always travel together: a layer (or other tensor)
+    larger than `bucket_bytes` gets a bucket of its own."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(_layer_key(name), []).append(name)
+    buckets: list[list[str]] = []
+    size = 0
+    for group in groups.values():
+        group_size = sum(sizes[n] for n in group)
+        if not buckets or size + group_size > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].extend(group)
+        size += group_size
+    return [b for b in buckets if b]
+
+
+def _layer_key(name: str) -> str:
+    """``model.layers.3`` for every tensor of layer 3; the name itself for the rest."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:

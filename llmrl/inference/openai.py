@@ -33,7 +33,7 @@ import httpx
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
-from llmrl.inference.interface import run_blocking, run_sync
+from llmrl.inference.interface import Weights, run_blocking, run_sync
 from llmrl.seeding import derive_seed
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
 
@@ -189,9 +189,7 @@ class OpenAIInterface:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def update_weights(
-        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
-    ) -> None:
+    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
         """Make the server serve these weights as `version`; returns once they serve.
 
         The server refuses a version older than the one it serves, and takes the one it serves as a
@@ -202,18 +200,22 @@ class OpenAIInterface:
         when there is no `weights_dir`. A path inside `weights_dir` (a file or a folder of shards)
         is sent as is; any other path must be a ``.safetensors`` file, which is streamed. Raises
         `WeightSyncError` when the server refuses or does not answer within `weight_sync_timeout_s`.
+
+        An iterable of bucket dicts (`InferenceInterface.update_weights`) is collected into one
+        state dict first: the server takes one file per update, so the weights are whole here
+        before they are written or streamed.
         """
         run_blocking(self._closing(self.aupdate_weights(state_dict_or_path, version, reset=reset)))
 
-    async def aupdate_weights(
-        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
-    ) -> None:
+    async def aupdate_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
         """Async form of `update_weights`."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
         target: dict[str, Any] = {"version": version, **({"reset": True} if reset else {})}
         if isinstance(state_dict_or_path, dict):
             await self._send_state_dict(state_dict_or_path, target)
+        elif not isinstance(state_dict_or_path, (str, Path)):  # buckets
+            await self._send_state_dict({k: v for bucket in state_dict_or_path for k, v in bucket.items()}, target)
         else:
             path = Path(state_dict_or_path).resolve()
             if self._in_weights_dir(path):

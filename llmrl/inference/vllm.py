@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,7 @@ import torch
 
 from llmrl.config import InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
-from llmrl.inference.interface import run_blocking, run_in_new_loop, run_sync
+from llmrl.inference.interface import Weights, run_blocking, run_in_new_loop, run_sync, weight_buckets
 from llmrl.inference.openai import (
     InferenceServerError,
     OpenAIInterface,
@@ -284,47 +285,27 @@ class Bucket:
         return {"names": self.names, "data": base64.b64encode(self.data).decode()}
 
 
-def weight_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
-    """Split `names` into buckets of at most `bucket_bytes` (a tensor larger than that gets a bucket
-    of its own), never splitting a decoder layer, so that fused pieces (q/k/v, gate/up) always
-    travel in the same request."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(_layer_key(name), []).append(name)
-    buckets: list[list[str]] = []
-    size = 0
-    for group in groups.values():
-        group_size = sum(sizes[n] for n in group)
-        if not buckets or size + group_size > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].extend(group)
-        size += group_size
-    return [b for b in buckets if b]
+def check_weights(
+    state: dict[str, torch.Tensor], manifest: dict[str, dict[str, Any]], server: str, *, complete: bool = True
+) -> None:
+    """Refuse (ValueError) a state dict that does not match the served checkpoint tensor for tensor;
+    without `complete`, a bucket of one (the missing names are `check_names`' to find at the end)."""
+    check_names(set(state), manifest, server, complete=complete)
+    for name, tensor in state.items():
+        problem = weight_problem(name, tensor, manifest[name]["shape"])
+        if problem:
+            raise ValueError(f"weights for {server}: {problem}")
 
 
-def _layer_key(name: str) -> str:
-    """``model.layers.3`` for every tensor of layer 3; the name itself for the rest."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return name
-
-
-def check_weights(state: dict[str, torch.Tensor], manifest: dict[str, dict[str, Any]], server: str) -> None:
-    """Refuse (ValueError) a state dict that does not match the served checkpoint tensor for tensor."""
-    unknown = sorted(set(state) - set(manifest))
-    missing = sorted(set(manifest) - set(state))
+def check_names(names: set[str], manifest: dict[str, dict[str, Any]], server: str, *, complete: bool = True) -> None:
+    """Refuse (ValueError) names the served checkpoint lacks and, when `complete`, any of its tensors missing."""
+    unknown = sorted(names - set(manifest))
+    missing = sorted(set(manifest) - names) if complete else []
     if unknown or missing:
         raise ValueError(
             f"weights for {server}: {len(unknown)} name(s) the served checkpoint lacks {unknown[:3]} and "
             f"{len(missing)} of its tensor(s) missing {missing[:3]}; a sync sends the whole checkpoint"
         )
-    for name, tensor in state.items():
-        problem = weight_problem(name, tensor, manifest[name]["shape"])
-        if problem:
-            raise ValueError(f"weights for {server}: {problem}")
 
 
 # -- the interface ------------------------------------------------------------------------------
@@ -582,14 +563,20 @@ class VLLMInterface:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def update_weights(
-        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
-    ) -> None:
+    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
         """Serve these weights as `version` on every server; returns once all of them do.
 
-        `state_dict_or_path`: a state dict in the checkpoint's names, or a ``.safetensors`` file or
-        folder of them. Versions only grow unless `reset` is set (a trainer starting or resuming a
-        run owns the sequence); the served version again is a no-op.
+        `state_dict_or_path`: a state dict in the checkpoint's names, a ``.safetensors`` file or
+        folder of them, or an iterable of bucket dicts (`InferenceInterface.update_weights`). Versions
+        only grow unless `reset` is set (a trainer starting or resuming a run owns the sequence); the
+        served version again is a no-op.
+
+        Every tensor is checked before anything is sent. Over http or disk, each incoming dict is
+        checked and serialised (split again by `bucket_mb`) before the next is read, and the
+        serialised buckets are kept until the next sync succeeds: they are the last good weights a
+        restarted server gets. So this interface holds one serialised copy of the weights, plus one
+        incoming bucket; it frees the dicts it is given once serialised. The NCCL transport
+        broadcasts one state dict: incoming buckets are collected into it first.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
@@ -597,26 +584,40 @@ class VLLMInterface:
             return
         if not reset and self._version is not None and version < self._version:
             raise WeightSyncError(f"version {version} is older than the served version {self._version}")
-        state = _load_state(state_dict_or_path)
-        for endpoint in self._endpoints:
-            if endpoint.manifest:
-                check_weights(state, endpoint.manifest, endpoint.url)
+        manifests = [(endpoint.manifest, endpoint.url) for endpoint in self._endpoints if endpoint.manifest]
+        names: set[str] = set()
+        state: dict[str, torch.Tensor] = {}  # NCCL only
+        buckets: list[Bucket] = []  # http and disk
+        try:
+            for part in _weight_parts(state_dict_or_path):
+                for manifest, url in manifests:
+                    check_weights(part, manifest, url, complete=False)
+                names |= part.keys()
+                if self.config.transport == "nccl":
+                    state |= part
+                else:
+                    buckets += self._buckets(part, version, first_index=len(buckets))
+            for manifest, url in manifests:
+                check_names(names, manifest, url)
+        except BaseException:
+            _delete_files(buckets)
+            raise
         if self.config.transport == "nccl":
             self._send_nccl(state, version)
         else:
-            buckets = self._buckets(state, version)
             run_blocking(self._sync_all(buckets, version))
             previous, self._last_good = self._last_good, (version, buckets)
             if previous is not None:
                 _delete_files(previous[1])
         self._version = version
 
-    def _buckets(self, state: dict[str, torch.Tensor], version: int) -> list[Bucket]:
+    def _buckets(self, state: dict[str, torch.Tensor], version: int, *, first_index: int = 0) -> list[Bucket]:
+        """`state` serialised in buckets of at most `bucket_mb`, numbered from `first_index`."""
         from safetensors.torch import save, save_file
 
         sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
         buckets = []
-        for index, names in enumerate(weight_buckets(list(state), sizes, self.config.bucket_mb << 20)):
+        for index, names in enumerate(weight_buckets(list(state), sizes, self.config.bucket_mb << 20), first_index):
             tensors = safetensors_ready({name: state[name] for name in names})
             if self.config.transport == "disk":
                 assert self.weights_dir is not None
@@ -750,8 +751,11 @@ async def _wait_open(gate: threading.Event) -> None:
         await asyncio.to_thread(gate.wait)
 
 
-def _load_state(state_dict_or_path: dict[str, Any] | str | Path) -> dict[str, torch.Tensor]:
+def _weight_parts(state_dict_or_path: Weights) -> Iterable[dict[str, torch.Tensor]]:
+    """The weights `update_weights` is given, as an iterable of dicts (one for a state dict or a path)."""
     if isinstance(state_dict_or_path, dict):
+        return [state_dict_or_path]
+    if not isinstance(state_dict_or_path, (str, Path)):
         return state_dict_or_path
     from safetensors.torch import load_file
 
@@ -762,7 +766,7 @@ def _load_state(state_dict_or_path: dict[str, Any] | str | Path) -> dict[str, to
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state |= load_file(str(file))
-    return state
+    return [state]
 
 
 def _delete_files(buckets: list[Bucket]) -> None:

@@ -117,8 +117,10 @@ def load_model(
 
     A model with a feature llmrl does not support raises `ValueError` naming it (`check_supported`).
 
-    The model comes back in eval mode on `device`. Tokenizers without a pad token get their eos
-    token as pad (generation masks padding by attention mask, so the two never get confused).
+    The model comes back in eval mode on `device`. On the ``meta`` device it is built from its
+    config alone, its weights never read (a rank that receives its shards from another). Tokenizers
+    without a pad token get their eos token as pad (generation masks padding by attention mask, so
+    the two never get confused).
     """
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -140,9 +142,16 @@ def load_model(
     except OSError as exc:
         raise ValueError(f"model spec {spec!r}: cannot load its config: {exc}") from exc
     check_supported(config, attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-    )
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
@@ -159,17 +168,6 @@ def export_model(spec: str, output_dir: str | Path, *, dtype: str | torch.dtype 
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     return output
-
-
-def empty_model(
-    spec: str, *, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False
-) -> PreTrainedModel:
-    """The model `spec` names, built on the meta device: its shapes and parameter counts, no weights."""
-    config = AutoConfig.from_pretrained(resolve_model_spec(spec), trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
-            config, dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, trust_remote_code=trust_remote_code
-        )
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -9,6 +9,11 @@ its token-balanced share of each mini-batch (`split_by_tokens`). The losses are 
 the global denominator, so gradients are summed across ranks (gradient divide factor 1), and a run
 computes the same update as one process, up to the order of floating-point additions.
 
+No rank but 0 ever holds the full model: rank 0 loads it, the others build it on the meta device,
+and rank 0's weights reach every rank's shards tensor by tensor (`Distributed.load_model`). The
+weight sync gathers the shards for rank 0's inference side in bounded buckets
+(`Distributed.gathered_buckets`), so rank 0 holds one bucket at a time besides its engine.
+
 FSDP2 runs collectives inside every forward and backward pass, so every rank must run the same
 number of them: a rank with fewer micro-batches than the others runs zero-weight passes
 (`PolicyUpdate` asks `max_count` how many).
@@ -32,13 +37,23 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from llmrl.inference.interface import weight_buckets
+from llmrl.models import load_model
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -80,15 +95,24 @@ class ShardedCausalLM:
 
 def tied_duplicates(model: torch.nn.Module) -> set[str]:
     """State-dict names that alias an earlier entry's tensor (tied embeddings): a Hugging Face folder
-    stores each tensor once. Call it before sharding, while aliases share storage."""
-    seen: set[tuple[int, int]] = set()
-    duplicates = set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            duplicates.add(name)
-        seen.add(key)
-    return duplicates
+    stores each tensor once. Aliases are one and the same parameter, on a sharded or meta model too."""
+    first_names = _first_names(model)
+    return {name for name in model.state_dict(keep_vars=True) if first_names.get(name, name) != name}
+
+
+def _first_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's and buffer's name -> the first name under which the same tensor is registered."""
+    first: dict[int, str] = {}
+    names = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names[name] = first.setdefault(id(tensor), name)
+    return names
+
+
+def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module that registers the parameter or buffer `name`, and its attribute name there."""
+    module_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(module_name), attribute
 
 
 class Distributed:
@@ -149,9 +173,63 @@ class Distributed:
                 module.set_force_sum_reduction_for_comms(True)
         return model
 
+    def load_model(
+        self, spec: str, *, device: str, compute_dtype: torch.dtype | None = None, **options: Any
+    ) -> tuple[torch.nn.Module, Any]:
+        """`llmrl.models.load_model(spec, device=device, **options)`, sharded (`shard`, with
+        `compute_dtype`), with no full copy on any rank but 0.
+
+        Rank 0 loads the weights; the others build the model on the meta device (no memory). Every
+        rank shards it, then rank 0 broadcasts the weights one tensor at a time and each rank keeps
+        its shard; rank 0's full copy is freed on return. What a state dict lacks is mended on the
+        other ranks: aliases (tied embeddings), which loading into a meta model replaces by separate
+        tensors, are tied again, and the non-persistent buffers (rotary ``inv_freq``) are rank 0's.
+        """
+        model, tokenizer = load_model(spec, device=device if self.is_main else "meta", **options)
+        first_names = _first_names(model)
+        full = model.state_dict() if self.is_main else {}  # holds rank 0's weights through sharding
+        self.shard(model, compute_dtype=compute_dtype)
+        with warnings.catch_warnings():  # DCP's look-up of the default device of a meta-built model warns twice
+            warnings.simplefilter("ignore", UserWarning)
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        if not self.is_main:
+            for name, first in first_names.items():
+                if name != first:
+                    setattr(*_owner(model, name), getattr(*_owner(model, first)))
+        for module in model.modules():
+            for name in sorted(module._non_persistent_buffers_set):  # sorted: set order differs between processes
+                buffer = module._buffers[name]
+                if buffer is None:
+                    continue
+                value = buffer if self.is_main else torch.empty_like(buffer, device=self.device)
+                dist.broadcast(value, src=0)
+                module._buffers[name] = value
+        return model, tokenizer
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded weights on CPU on rank 0 ({} elsewhere); every rank must call it."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def gathered_buckets(
+        self, model: torch.nn.Module, bucket_bytes: int, *, skip: Collection[str] = ()
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The unsharded weights, but the names in `skip`, in buckets of at most `bucket_bytes`
+        (`weight_buckets`: a decoder layer larger than that is one bucket), on CPU on rank 0 and
+        empty elsewhere.
+
+        Each bucket is all-gathered by every rank when it is read, so every rank must read the
+        iterator to its end, in step; rank 0 holds the bucket it is given and no other.
+        """
+        state = {name: value for name, value in get_model_state_dict(model).items() if name not in skip}
+        sizes = {name: value.numel() * value.element_size() for name, value in state.items()}
+        for names in weight_buckets(list(state), sizes, bucket_bytes):
+            bucket = {}
+            for name in names:
+                value = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+                if self.is_main:
+                    bucket[name] = value.cpu()
+            yield bucket
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (picklable objects; pydantic models included)."""

@@ -41,7 +41,7 @@ from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
 from llmrl.inference import build_inference, close_inference, run_sync
 from llmrl.models import load_model
-from llmrl.models.loading import DTYPES, empty_model, enable_activation_checkpointing
+from llmrl.models.loading import DTYPES, enable_activation_checkpointing
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
 from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, atomic_write, read_metrics, use_tracer
@@ -65,7 +65,7 @@ from llmrl.types import GenerationArgs
 # Fields that may change between a run and its resumption without changing what it trains.
 _RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
                       "inference.api_key_env", "inference.request_timeout_s", "inference.weights_dir",
-                      "inference.weight_sync_timeout_s", "inference.vllm")
+                      "inference.weight_sync_timeout_s", "inference.weight_sync_bucket_mb", "inference.vllm")
 # Written fresh by a run that starts from step 0.
 _RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
 
@@ -116,11 +116,20 @@ class Trainer:
         self.memory_plan = self._plan_memory(device)
         self.memory_plan.check()  # before any weights load
         self.peak_memory = PeakMemory(device)
-        self.policy, self.tokenizer = load_model(
-            str(checkpoint[1] / "model") if checkpoint else config.model.spec,
-            dtype=config.training.master_dtype, device=device, attn_implementation=config.model.attn_implementation,
-            trust_remote_code=config.model.trust_remote_code,
-        )  # fmt: skip
+        options = {"device": device, "attn_implementation": config.model.attn_implementation,
+                   "trust_remote_code": config.model.trust_remote_code}  # fmt: skip
+        distributed = self.distributed
+
+        def load(spec: str, dtype: str, compute_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+            if distributed is None:
+                return load_model(spec, dtype=dtype, **options)
+            # each rank receives its shards of the model rank 0 loads
+            return distributed.load_model(spec, dtype=dtype, compute_dtype=compute_dtype, **options)
+
+        self.policy, self.tokenizer = load(
+            str(checkpoint[1] / "model") if checkpoint else config.model.spec, config.training.master_dtype,
+            self.compute_dtype if config.model.dtype != config.training.master_dtype else None,
+        )
         if checkpoint and self.distributed is None:
             ckpt.load_master_weights(checkpoint[1], self.policy)
         if config.training.activation_checkpointing:
@@ -128,17 +137,10 @@ class Trainer:
         self.policy.train()
         reference = None
         if config.algorithm.kl_beta > 0:  # loaded once, never per step; no master copy: it never changes
-            reference, _ = load_model(config.model.spec, dtype=config.model.dtype, device=device,
-                                      attn_implementation=config.model.attn_implementation,
-                                      trust_remote_code=config.model.trust_remote_code)
+            reference, _ = load(config.model.spec, config.model.dtype)
             reference.eval().requires_grad_(False)
         # Names aliasing another entry (tied embeddings): sent and exported once, under the first name.
         self._tied_names = tied_duplicates(self.policy)
-        if self.distributed is not None:
-            mixed = self.compute_dtype if self.compute_dtype != self.policy.dtype else None
-            self.distributed.shard(self.policy, compute_dtype=mixed)
-            if reference is not None:
-                self.distributed.shard(reference)
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
         self.generation_args = generation if generation.seed is not None else generation.merge(
@@ -176,8 +178,8 @@ class Trainer:
             reference_model=config.algorithm.kl_beta > 0,
             engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
         )  # fmt: skip
-        model = empty_model(config.model.spec, trust_remote_code=config.model.trust_remote_code)
-        return plan_memory(model, settings, device)
+        shapes, _ = load_model(config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code)
+        return plan_memory(shapes, settings, device)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -287,20 +289,25 @@ class Trainer:
         return metrics | memory | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
 
     def _sync_weights(self, version: int, *, reset: bool = False) -> None:
-        """Serve the policy's weights as `version` (over several processes, gathered for rank 0's engine)."""
+        """Serve the policy's weights as `version` (over several processes, gathered bucket by bucket
+        for rank 0's inference side: every rank takes part in each bucket)."""
         if self.distributed is None:
-            weights = self.policy.state_dict()
+            weights: Any = self._untied(self.policy.state_dict())
         else:
-            weights = self.distributed.full_state_dict(self.policy)  # every rank takes part
+            bucket_bytes = self.config.inference.weight_sync_bucket_mb << 20
+            weights = self.distributed.gathered_buckets(self.policy, bucket_bytes, skip=self._tied_names)
         if self.is_main:
             started = time.time()
             try:
-                self.inference.update_weights(self._untied(weights), version=version, reset=reset)
+                self.inference.update_weights(weights, version=version, reset=reset)
             except Exception as exc:
                 if getattr(self.inference, "unreachable_since", None) is None:
                     raise
                 detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
                 raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
+        if self.distributed is not None:
+            for _ in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
+                pass
 
     def _untied(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`weights` without the names that alias another entry (tied embeddings)."""

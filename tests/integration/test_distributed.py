@@ -152,6 +152,59 @@ def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_pa
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
+# Every rank loads the tiny model the way the trainer does, compares its forward pass with an unsharded
+# copy, then gathers the weights in buckets of 1 MiB (about one decoder layer of the tiny model).
+SHARDED_LOADING_SCRIPT = """
+import torch
+from llmrl.inference.interface import weight_buckets
+from llmrl.models import load_model
+from llmrl.trainer.distributed import Distributed, tied_duplicates
+
+distributed = Distributed.from_env("cpu")
+model, _ = distributed.load_model("tiny://arithmetic", device="cpu")
+reference, _ = load_model("tiny://arithmetic")
+assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again on the meta-built rank
+tied = tied_duplicates(model)
+assert tied == tied_duplicates(reference) == {"lm_head.weight"}, tied
+ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3, 4], [8, 6, 4, 2, 11, 12, 14, 15]])
+with torch.no_grad():
+    logprobs = torch.log_softmax(model(input_ids=ids).logits, -1)
+    expected = torch.log_softmax(reference(input_ids=ids).logits, -1)
+torch.testing.assert_close(logprobs, expected, rtol=1e-6, atol=1e-6)
+
+bound = 1 << 20
+buckets = list(distributed.gathered_buckets(model, bound, skip=tied))
+full = {n: t for n, t in reference.state_dict().items() if n not in tied}
+sizes = {n: t.numel() * t.element_size() for n, t in full.items()}
+assert len(buckets) == len(weight_buckets(list(full), sizes, bound)) > 2
+if distributed.is_main:
+    assert [n for bucket in buckets for n in bucket] == list(full)  # every tensor once, in order
+    layer_bytes = max(sum(s for n, s in sizes.items() if n.startswith(f"model.layers.{i}.")) for i in range(reference.config.num_hidden_layers))
+    for bucket in buckets:
+        assert sum(t.numel() * t.element_size() for t in bucket.values()) <= max(bound, layer_bytes)
+        for name, tensor in bucket.items():
+            assert torch.equal(tensor, full[name]), name
+else:
+    assert all(bucket == {} for bucket in buckets)
+print(f"rank {distributed.rank}: sharded loading and bucketed gathering agree with one process")
+distributed.close()
+"""
+
+
+def test_meta_built_ranks_compute_like_one_process_and_gather_bounded_buckets(tmp_path, tiny_model_path):
+    """Rank 1 builds the model on the meta device and receives its shards (ties and the rotary
+    buffers included); the weight sync's buckets hold every tensor once, in order, within the bound."""
+    script = tmp_path / "sharded_loading.py"
+    script.write_text(SHARDED_LOADING_SCRIPT)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: sharded loading and bucketed gathering agree with one process" in output, output[-4000:]
+
+
 # Rank 0 fails and leaves without the barrier; rank 1's barrier then fails for want of its peer.
 PEER_FAILED_SCRIPT = """
 import torch.distributed as dist

@@ -34,7 +34,7 @@ from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference import build_inference
 from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, _CompiledPackages, build_decoder
 from llmrl.inference.engine import LocalEngine
-from llmrl.inference.interface import InferenceInterface
+from llmrl.inference.interface import InferenceInterface, weight_buckets
 from llmrl.trainer.distributed import tied_duplicates
 from llmrl.trainer.optimization import sampling_params
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
@@ -343,6 +343,31 @@ def test_update_weights_serves_new_weights(fast_served, tmp_path):
     expected = _teacher_forced(model, third.prompt_token_ids, third.token_ids, 0.7)
     assert third.policy_version == 4
     assert (torch.tensor(third.logprobs) - expected).abs().max().item() < 1e-4
+
+
+def test_streamed_buckets_update_like_one_state_dict(fast_served):
+    served_model, tokenizer = fast_served
+    new_model = copy.deepcopy(served_model)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.mul_(1.1)
+    state = {k: v for k, v in new_model.state_dict().items() if k not in tied_duplicates(new_model)}
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+    names = weight_buckets(list(state), sizes, bucket_bytes=1 << 16)
+    assert len(names) > 2
+    request = InferenceRequest(prompt="the quick", generation_args=GenerationArgs(max_tokens=12, seed=5))
+    responses = []
+    for weights in (state, ({name: state[name] for name in bucket} for bucket in names)):
+        engine = LocalEngine(copy.deepcopy(served_model), tokenizer, eos_token_ids=())
+        engine.update_weights(weights, version=2)
+        responses.append(engine.generate(request)[0])
+    assert responses[0].policy_version == responses[1].policy_version == 2
+    assert responses[0].token_ids == responses[1].token_ids and responses[0].logprobs == responses[1].logprobs
+
+    # A bad bucket raises; the version stays until an update completes.
+    with pytest.raises(ValueError, match="has shape"):
+        engine.update_weights(iter([{"model.norm.weight": torch.zeros(3)}]), version=3)
+    assert engine.policy_version == 2
 
 
 def test_update_weights_rejects_bad_state_dicts(qwen2, tokenizer, tmp_path):

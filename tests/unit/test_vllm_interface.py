@@ -122,6 +122,23 @@ def test_weights_are_checked_against_the_served_checkpoint_before_anything_is_se
         assert server.calls == []
 
 
+def test_streamed_buckets_are_checked_as_a_whole_then_sent_one_request_each():
+    server = ScriptedVLLM()
+    vllm = interface(server, bucket_mb=1)
+    sizes = {name: t.numel() * 4 for name, t in STATE.items()}
+    parts = [{name: STATE[name] for name in names} for names in weight_buckets(list(STATE), sizes, 100)]
+    assert len(parts) > 2
+    for message, broken in {"missing": parts[:-1], "NaN": [*parts[:-1], {n: t * float("nan") for n, t in
+                                                                          parts[-1].items()}]}.items():  # fmt: skip
+        server.calls.clear()
+        with pytest.raises(ValueError, match=message):
+            vllm.update_weights(iter(broken), version=1)
+        assert server.calls == []
+    server.calls.clear()
+    vllm.update_weights(iter(parts), version=1)
+    assert server.calls.count("/update_weights") == len(parts) and server.weight_version == "1"
+
+
 def test_buckets_are_bounded_and_never_split_a_layer():
     sizes = {name: t.numel() * 4 for name, t in STATE.items()}
     buckets = weight_buckets(list(STATE), sizes, bucket_bytes=100)
