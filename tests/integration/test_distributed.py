@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from llmrl.telemetry import read_metrics
@@ -94,6 +95,32 @@ def test_the_exported_folder_loads_with_transformers(runs):
     loaded = model.state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_under_fsdp_trains_like_without(runs, tmp_path):
+    checkpointed = tmp_path / "checkpointed"
+    train(checkpointed, 2, "training.activation_checkpointing=true")
+    assert losses(checkpointed) == pytest.approx(losses(runs[2]), rel=1e-5, abs=1e-7)
+    assert_close_weights(weights(checkpointed), weights(runs[2]))
+
+
+def test_bfloat16_compute_over_float32_master_shards(tmp_path, tiny_model_path):
+    """FSDP2 gathers bfloat16 copies for the passes; the shards, gradients and optimizer stay float32,
+    the exported folder is bfloat16, and each step logs the measured peak beside the plan."""
+    run_dir = tmp_path / "bf16"
+    result = train(run_dir, 2, "model.dtype=bfloat16", "training.steps=2")
+    assert "memory plan per rank" in result.stdout and "other ranks" in result.stdout
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert all(0 < row["memory/peak_gb"] < 8 and row["memory/plan_gb"] > 0 for row in rows)
+    assert all(torch.isfinite(torch.tensor(row["train/loss"])) for row in rows)
+    exported = weights(run_dir, 2)
+    assert {value.dtype for value in exported.values()} == {torch.bfloat16}
+    model_folder = run_dir / "checkpoints" / "step_000002" / "model"
+    assert '"dtype": "bfloat16"' in (model_folder / "config.json").read_text()
+    metadata = dcp.FileSystemReader(str(model_folder.parent / "sharded")).read_metadata()
+    masters = {name: entry.properties.dtype for name, entry in metadata.state_dict_metadata.items()
+               if name.startswith("model.") and hasattr(entry, "properties")}  # fmt: skip
+    assert masters and set(masters.values()) == {torch.float32}
 
 
 @pytest.mark.parametrize(
