@@ -161,29 +161,48 @@ class MemoryPlan:
 
     def _what_would_fit(self) -> str:
         s = self.settings
+        checkpointing, elsewhere = "training.activation_checkpointing: true", "inference on vLLM or a server"
         options: list[tuple[str, MemorySettings]] = []
         if not s.activation_checkpointing:
-            options.append(("training.activation_checkpointing: true", dataclasses.replace(s, activation_checkpointing=True)))
-        tokens = s.micro_batch_tokens // 2
-        while tokens >= 256:
-            options.append((f"training.micro_batch_tokens: {tokens}", dataclasses.replace(s, micro_batch_tokens=tokens)))
+            options.append((checkpointing, dataclasses.replace(s, activation_checkpointing=True)))
+        tokens = s.micro_batch_tokens // 2  # the largest halving that fits, if any
+        while tokens >= 256 and not self._fits_with(dataclasses.replace(s, micro_batch_tokens=tokens)):
             tokens //= 2
+        if tokens >= 256:
+            options.append((f"training.micro_batch_tokens: {tokens}", dataclasses.replace(s, micro_batch_tokens=tokens)))
         if s.master_dtype != s.compute_dtype:
             compute = str(s.compute_dtype).removeprefix("torch.")
             options.append((f"training.master_dtype: {compute} (loses small updates)",
                             dataclasses.replace(s, master_dtype=s.compute_dtype)))
         if s.engine_tokens is not None:
-            options.append(("inference on vLLM or a server (inference.type: vllm)", dataclasses.replace(s, engine_tokens=None)))
-        for processes in (2, 4, 8, 16, 32, 64):
-            if processes > s.world_size:
-                options.append((f"{processes} processes (torchrun --nproc-per-node, or more nodes)",
-                                dataclasses.replace(s, world_size=processes)))
-        fitting = [label for label, settings in options if dataclasses.replace(self, settings=settings).fits()]
-        if not fitting:
-            return ("no single change of activation checkpointing, micro-batch tokens, master dtype, inference "
-                    "or process count makes it fit: combine them, or use more GPUs or a smaller model")
-        return "each of these alone would fit: " + "; ".join(fitting[:4])
+            options.append((elsewhere, dataclasses.replace(s, engine_tokens=None)))
+        processes = self._processes_that_fit(s)
+        if processes is not None:
+            options.append((f"{processes} processes (torchrun)", dataclasses.replace(s, world_size=processes)))
+        fitting = [label for label, settings in options if self._fits_with(settings)]
+        if fitting:
+            return "each of these alone would fit: " + "; ".join(fitting[:4])
+        # Together, cheapest first: checkpointing, inference elsewhere, then as few more processes as fit.
+        combined = dataclasses.replace(s, activation_checkpointing=True, engine_tokens=None)
+        processes = self._processes_that_fit(combined)
+        if processes is None:
+            return "no combination of these settings fits up to 1024 processes: use a smaller model or larger devices"
+        changes = [label for label, needed in ((checkpointing, not s.activation_checkpointing),
+                                               (elsewhere, s.engine_tokens is not None),
+                                               (f"{processes} processes (torchrun)", processes > s.world_size)) if needed]
+        return "no single change fits; together these would: " + "; ".join(changes)
 
+    def _processes_that_fit(self, settings: MemorySettings) -> int | None:
+        """The fewest processes (doubling from `settings.world_size`, up to 1024) with which `settings` fit."""
+        processes = settings.world_size
+        while processes <= 1024:
+            if self._fits_with(dataclasses.replace(settings, world_size=processes)):
+                return processes
+            processes *= 2
+        return None
+
+    def _fits_with(self, settings: MemorySettings) -> bool:
+        return dataclasses.replace(self, settings=settings).fits()
 
 def plan_memory(model: torch.nn.Module, settings: MemorySettings, device: str) -> MemoryPlan:
     """The memory plan of training `model` (on the meta device or loaded) with `settings` on `device`."""

@@ -75,8 +75,18 @@ def test_a_plan_over_the_device_is_refused_with_the_numbers_and_what_would_fit()
     assert "training.activation_checkpointing: true" in message
     dataclasses.replace(plan, device_bytes=plan.total()).check()  # exactly enough passes
     hopeless = dataclasses.replace(plan, device_bytes=1)
-    with pytest.raises(ConfigError, match="no single change"):
+    with pytest.raises(ConfigError, match="no combination of these settings fits"):
         hopeless.check()
+    # Where nothing alone is enough, the cheapest combination is named.
+    with torch.device("meta"):
+        big = Qwen2ForCausalLM(Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                           num_key_value_heads=4, intermediate_size=18944, vocab_size=152064))
+    seven_b = MemoryPlan(ModelShape.of(big), settings(micro_batch_tokens=16384), "cuda", 80 * 10**9, 0)
+    with pytest.raises(ConfigError, match="together these would: training.activation_checkpointing: true; "
+                                          "inference on vLLM or a server; 2 processes"):
+        seven_b.check()
+    with pytest.raises(ConfigError, match="alone would fit: .*training.micro_batch_tokens: 2048;"):  # the largest that fits
+        dataclasses.replace(plan, device_bytes=plan.total() - 1).check()
 
 
 def test_the_plan_renders_one_column_per_kind_of_rank():
