@@ -31,3 +31,15 @@ def tiny_model(tiny_model_path):
     from llmrl.models import load_model
 
     return load_model("tiny://arithmetic")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip, saying so, where torch sees no GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -109,8 +109,9 @@ def build_config(family: str) -> transformers.PretrainedConfig:
 class Family:
     """One family's model in one dtype, its float32 twin, and what the engine made of it."""
 
-    def __init__(self, family: str, dtype: torch.dtype, folder):
+    def __init__(self, family: str, dtype: torch.dtype, device: str, folder):
         self.name = family
+        self.device = device
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(build_config(family))
         with torch.no_grad():  # bfloat16 weights for both twins: only their arithmetic differs
@@ -120,11 +121,11 @@ class Family:
         tokenizer = word_tokenizer()
         tokenizer.save_pretrained(folder)
         attention = "eager" if getattr(model.config, "attn_logit_softcapping", None) else "sdpa"
-        self.model, _ = load_model(str(folder), dtype=dtype, attn_implementation=attention)
+        self.model, _ = load_model(str(folder), dtype=dtype, attn_implementation=attention, device=device)
         # Not the tokenizer loaded back: transformers swaps in a family's own tokenizer class (Qwen2's
         # byte-level BPE) for a folder whose tokenizer has no class of its own.
         self.tokenizer = tokenizer
-        self.reference = load_model(str(folder), dtype="float32", attn_implementation=attention)[0]
+        self.reference = load_model(str(folder), dtype="float32", attn_implementation=attention, device=device)[0]
         self.model.generation_config.eos_token_id = self.reference.generation_config.eos_token_id = None
         self.dtype = dtype
         self.engine = LocalEngine(self.model, self.tokenizer, eos_token_ids=())
@@ -170,19 +171,19 @@ def completion_logprobs(model, sequences, *, packed: bool) -> list[torch.Tensor]
     full = [prompt + completion for prompt, completion, _ in sequences]
     masks = [[False] * len(prompt) + [True] * len(completion) for prompt, completion, _ in sequences]
     rows = pack([len(s) for s in full], max_tokens=80) if packed else [[i] for i in range(len(full))]
-    batch = build_batch(full, rows, masks)
+    batch = build_batch(full, rows, masks).to(next(model.parameters()).device)
     if packed:
         assert any(len(row) > 1 for row in rows)
     with torch.no_grad():
         logprobs = unpack(token_logprobs(model, batch)[0], batch)
-    return [logprobs[i][len(prompt) :] for i, (prompt, _, _) in enumerate(sequences)]
+    return [logprobs[i][len(prompt) :].cpu() for i, (prompt, _, _) in enumerate(sequences)]
 
 
 def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-_built: dict[tuple[str, torch.dtype], Family] = {}
+_built: dict[tuple[str, torch.dtype, str], Family] = {}
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -190,12 +191,17 @@ def dtype(request) -> torch.dtype:
     return request.param
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(params=list(FAMILIES))
-def family(request, dtype, tmp_path_factory) -> Family:
-    """Built and generated once per (family, dtype) for all the checks."""
-    key = (request.param, dtype)
+def family(request, dtype, device, tmp_path_factory) -> Family:
+    """Built and generated once per (family, dtype, device) for all the checks."""
+    key = (request.param, dtype, device)
     if key not in _built:
-        _built[key] = Family(request.param, dtype, tmp_path_factory.mktemp(request.param))
+        _built[key] = Family(request.param, dtype, device, tmp_path_factory.mktemp(request.param))
     return _built[key]
 
 
@@ -206,7 +212,7 @@ def test_engine_takes_the_native_decoder_only_for_the_llama_family(family):
 def test_greedy_output_equals_generate(family):
     for prompt, responses in zip(family.prompts, family.greedy, strict=True):
         with torch.no_grad():
-            expected = family.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+            expected = family.model.generate(torch.tensor([prompt], device=family.device), do_sample=False, max_new_tokens=MAX_TOKENS,
                                              pad_token_id=0)[0, len(prompt) :].tolist()
         for response in responses:
             assert response.prompt_token_ids == prompt
@@ -218,7 +224,7 @@ def test_greedy_output_equals_generate(family):
                 continue
             # They parted at step `same`: only a near-tie in float32 may explain it.
             with torch.no_grad():
-                logits = family.reference(torch.tensor([prompt + expected[:same]])).logits[0, -1].float()
+                logits = family.reference(torch.tensor([prompt + expected[:same]], device=family.device)).logits[0, -1].float()
             logprobs = torch.log_softmax(logits, -1)
             gap = (logprobs[expected[same]] - logprobs[response.token_ids[same]]).abs().item()
             assert gap <= 2 * family.bf16_error, f"parted at step {same} with a float32 gap of {gap:.3f}"
@@ -239,7 +245,7 @@ def test_packed_logprobs_equal_unpacked(family):
 
 
 def test_one_training_step_on_its_own_rollouts(family):
-    policy = copy.deepcopy(family.model).train()
+    policy = copy.deepcopy(family.model).float().train()  # float32 master weights, as the trainer keeps them
     groups = [RolloutGroup(group_id=f"g{g}", rollouts=[
         TokenRollout(trajectory=[r.prompt_token_ids, r.token_ids],
                      generation_mask=[[False] * len(r.prompt_token_ids), [True] * len(r.token_ids)],
@@ -250,7 +256,7 @@ def test_one_training_step_on_its_own_rollouts(family):
     batch, _ = prepare_batch(groups, group_size=2, algorithm=algorithm, max_tokens=MAX_TOKENS)
     optimizer, _ = build_optimizer(policy, training)
     update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(),
-                          max_tokens=MAX_TOKENS, pad_token_id=0)
+                          max_tokens=MAX_TOKENS, pad_token_id=0, compute_dtype=family.dtype)
     before = [p.detach().clone() for p in policy.parameters()]
     metrics = update(batch, torch.Generator().manual_seed(0))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics

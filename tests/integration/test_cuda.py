@@ -1,0 +1,55 @@
+"""The trainer on a GPU: mixed precision, activation checkpointing, the engine, the memory plan.
+
+Marked `cuda`: skipped where torch sees no GPU (tests/conftest.py). Run on a GPU machine with
+``python -m pytest -m cuda``; docs/training.md records the card and the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmrl.config import load_config
+from llmrl.telemetry import read_metrics
+from llmrl.trainer import Trainer
+
+pytestmark = pytest.mark.cuda
+
+QUICK = ["training.steps=3", "training.prompts_per_step=4", "training.group_size=4", "evaluation.at_start=false",
+         "evaluation.every=0", "evaluation.num_prompts=8", "logging.progress=off", "logging.tensorboard=false",
+         "training.device=cuda"]  # fmt: skip
+
+
+def train(run_dir, *overrides: str) -> dict:
+    config = load_config(None, [f"run_dir={run_dir}", *QUICK, *overrides])
+    return Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "checkpointed"])
+def test_bfloat16_compute_over_float32_masters_on_a_gpu(tmp_path, tiny_model_path, checkpointing):
+    run_dir = tmp_path / "run"
+    train(run_dir, "model.dtype=bfloat16", f"training.activation_checkpointing={str(checkpointing).lower()}")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [row for row in rows if "train/loss" in row]
+    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(row["train/loss"])) for row in steps)
+    # CUDA's allocator peak, under the plan (which has no process term on a GPU)
+    assert all(0 < row["memory/peak_gb"] <= row["memory/plan_gb"] for row in steps)
+    assert max(row["train/mismatch_kl"] for row in steps) < 1e-2  # engine and trainer both in bfloat16
+    folder = run_dir / "checkpoints" / "step_000003"
+    assert {t.dtype for t in load_file(folder / "model" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((folder / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(folder / "master.safetensors").values()} == {torch.float32}
+
+
+def test_float32_on_a_gpu_matches_its_own_rerun(tmp_path, tiny_model_path):
+    """Same config, same numbers, on CUDA too (deterministic kernels, TF32 off)."""
+    first = train(tmp_path / "a", "training.tf32=false")
+    second = train(tmp_path / "b", "training.tf32=false")
+    assert first["eval_end"] == second["eval_end"]
+    assert [r.get("train/loss") for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [
+        r.get("train/loss") for r in read_metrics(tmp_path / "b" / "metrics.jsonl")
+    ]
