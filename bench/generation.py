@@ -1,6 +1,6 @@
 """Generation throughput: LocalEngine against Hugging Face `generate` on the same prompts.
 
-    python bench/generation.py [--model tiny://arithmetic] [--repeats 9] [--threads N] [--quick] [--no-compile]
+    python bench/generation.py [--model tiny://arithmetic] [--repeats 9] [--threads N] [--quick]
 
 Workloads (completion tokens per second, higher is better):
 
@@ -8,10 +8,6 @@ Workloads (completion tokens per second, higher is better):
   natural    the same shape, stopping at eos (the arithmetic task as training samples it)
   long-tail  128 prompts whose completion lengths vary 8x (16..128 tokens, eos ignored), at most
              64 sequences at once
-
-The engine runs its decode steps compiled by AOTInductor (`--no-compile`: eager only); the
-compilation happens once, in a warm-up before any timing, and its time is printed. Each table row
-also gives the eager engine's ratio, measured in the same repeats.
 
 The reference is what TRL does without vLLM: `model.generate` with left padding and a KV cache,
 64 rows per call (each prompt repeated group-size times); a call runs until its longest row is
@@ -131,8 +127,8 @@ def long_prompt_group(tokenizer, length: int, samples: int) -> Group:
 # Runners
 
 
-def new_engine(model, tokenizer, workload: Workload, compile: bool) -> LocalEngine:
-    return LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=0, compile=compile,
+def new_engine(model, tokenizer, workload: Workload) -> LocalEngine:
+    return LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=0,
                        eos_token_ids=() if workload.ignore_eos else None)
 
 
@@ -244,19 +240,18 @@ def matmul_peak(seconds: float = 2.0) -> float:
 # Main
 
 
-def decode_step_ms(model, repeats: int, compile: bool) -> dict[str, float]:
+def decode_step_ms(model, repeats: int) -> dict[str, float]:
     """Median ms of one decode step of 64 rows (8 prompts x 8 samples, 18-token prompts, ~50 cached
-    positions): the engine's decoder (compiled and eager) against ``model(...)`` with a
-    transformers ``DynamicCache``."""
+    positions): the engine's decoder against ``model(...)`` with a transformers ``DynamicCache``."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (8, 18), generator=generator)
-    with torch.inference_mode():  # as the engine's: a compiled step is specialised to inference tensors
+    with torch.inference_mode():  # as the engine's
         tokens = torch.randint(0, vocab, (64,), generator=generator)
     warmup, timed = 24, 16
 
-    def engine_step(compiled: bool) -> float:
-        decoder = build_decoder(model, compile=compiled)
+    def engine_step(_: int) -> float:
+        decoder = build_decoder(model)
         decoder.prefill(prompts.tolist(), [8] * 8)
         for _ in range(warmup):
             decoder.decode(tokens)
@@ -274,9 +269,7 @@ def decode_step_ms(model, repeats: int, compile: bool) -> dict[str, float]:
             model(tokens[:, None], past_key_values=cache, use_cache=True)
         return (time.perf_counter() - began) / timed
 
-    runners = {"eager": lambda _: engine_step(False), "forward": forward_step}
-    if compile:
-        runners["compiled"] = lambda _: engine_step(True)
+    runners = {"engine": engine_step, "forward": forward_step}
     with torch.inference_mode():
         times = interleaved(repeats, runners)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
@@ -300,20 +293,14 @@ def interleaved(repeats: int, runners: dict[str, Callable[[int], T]]) -> dict[st
     return results
 
 
-def compare(model, tokenizer, workload: Workload, repeats: int, compile: bool, eager: bool = False
-            ) -> dict[str, list[Run]]:
-    """Interleaved runs of the engine (compiled when `compile`), `generate`, and with `eager` the
-    eager engine too (only when `compile`: else "engine" is the eager one).
+def compare(model, tokenizer, workload: Workload, repeats: int) -> dict[str, list[Run]]:
+    """Interleaved runs of the engine and `generate`.
 
-    Each engine is built once and serves every repeat, as the trainer's engine serves every step;
+    The engine is built once and serves every repeat, as the trainer's engine serves every step;
     each runner runs once untimed before the repeats."""
-    def engine_runner(compiled: bool) -> Callable[[int], Run]:
-        engine = new_engine(model, tokenizer, workload, compiled)
-        return lambda _: run_engine(engine, workload)
-
-    runners = {"engine": engine_runner(compile), "generate": lambda _: run_generate(model, tokenizer, workload)}
-    if eager and compile:
-        runners["eager"] = engine_runner(False)
+    engine = new_engine(model, tokenizer, workload)
+    runners = {"engine": lambda _: run_engine(engine, workload),
+               "generate": lambda _: run_generate(model, tokenizer, workload)}
     for runner in runners.values():
         runner(-1)
     return interleaved(repeats, runners)
@@ -325,8 +312,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
-    parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="engine decode steps eager, not compiled")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -338,37 +323,27 @@ def main(argv: list[str] | None = None) -> None:
           f"engine fast path: {LocalEngine(model, tokenizer).uses_fast_path}")
     peak = matmul_peak()
     print(f"fp32 matmul peak (1024^3, best over 2 s): {peak / 1e9:.1f} GFLOP/s")
-    if args.compile:
-        began = time.perf_counter()
-        # Every graph the timed runs need: prompts copied into rows, and one shared prompt.
-        shared = Workload("shared", [long_prompt_group(tokenizer, 256, 16)], ignore_eos=True)
-        for workload in [*workloads(tokenizer, quick=True), shared]:
-            run_engine(new_engine(model, tokenizer, workload, compile=True), workload)
-        print(f"engine warm-up, compiling its decode steps ahead of time (once; packages are cached on disk): "
-              f"{time.perf_counter() - began:.1f} s")
     print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "
           f"(q1-q3: the middle half of the repeats' ratios)\n")
-    step = decode_step_ms(model, args.repeats, args.compile)
-    compiled_step = f"compiled {step['compiled']:.2f} ms, " if args.compile else ""
-    print(f"one 64-row decode step: engine decoder {compiled_step}eager {step['eager']:.2f} ms; "
+    step = decode_step_ms(model, args.repeats)
+    print(f"one 64-row decode step: engine decoder {step['engine']:.2f} ms; "
           f"model(...) + DynamicCache {step['forward']:.2f} ms\n")
 
     header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} {'q1-q3':<11} "
-              f"{'eager':>6} {'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
+              f"{'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
               f"{'KV generate':>12}")
     print(header)
     for workload in workloads(tokenizer, args.quick):
-        runs = compare(model, tokenizer, workload, args.repeats, args.compile, eager=True)
+        runs = compare(model, tokenizer, workload, args.repeats)
         rates = {name: [r.tokens / r.seconds for r in rs] for name, rs in runs.items()}
-        ratios, eager_ratios = ([e / g for e, g in zip(rates[name], rates["generate"], strict=True)]
-                                for name in ("engine", "eager" if args.compile else "engine"))
+        ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
         # Useful FLOPs of what each produced, over its median time.
         flops = {name: statistics.median(model_flops(model, r.completions, workload.groups) / r.seconds for r in rs)
                  for name, rs in runs.items()}
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}
         print(f"{workload.name:<10} {runs['engine'][0].tokens:>7} {statistics.median(rates['engine']):>13.0f} "
               f"{statistics.median(rates['generate']):>15.0f} {statistics.median(ratios):>6.2f}x "
-              f"{quartiles(ratios)} {statistics.median(eager_ratios):>5.2f}x "
+              f"{quartiles(ratios)} "
               f"{flops['engine'] / 1e9:>15.1f} "
               f"{flops['engine'] / peak:>8.1%} {flops['generate'] / peak:>9.1%} {kv['engine']:>6.1f} MiB "
               f"{kv['generate']:>8.1f} MiB")
@@ -379,8 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     base: dict[str, float] = {}
     for size in (1, 2, 4, 8, 16):
         group = long_prompt_group(tokenizer, 256, size)
-        runs = compare(model, tokenizer, Workload(f"group{size}", [group], ignore_eos=True), args.repeats,
-                       args.compile)
+        runs = compare(model, tokenizer, Workload(f"group{size}", [group], ignore_eos=True), args.repeats)
         per_sample = {name: 1e3 * statistics.median(r.seconds for r in rs) / size for name, rs in runs.items()}
         base = base or per_sample
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}

@@ -1,4 +1,4 @@
-"""Where llmrl keeps what it builds once and reuses: the tiny model, compiled engine packages."""
+"""Where llmrl keeps what it builds once and reuses (the tiny model)."""
 
 from __future__ import annotations
 

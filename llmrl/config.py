@@ -94,8 +94,6 @@ class InferenceConfig(Section):
     """Admission budget of the embedded engine: KV-cache tokens of all running sequences (a shared prompt counts once)."""
     max_concurrent: int = Field(64, ge=1)
     """Most sequences decoded at once by the embedded engine or in flight to a server. More rows per decode step use the cores better (the demo runs 256: training 25-37% faster per step on 2 CPU cores than with 64), but the engine's KV cache holds rows x the longest row, so its memory grows in proportion."""
-    compile: bool = False
-    """Run the embedded engine's decode steps and prefills compiled ahead of time by AOTInductor (Llama/Qwen2 models): more tokens/s after a one-off compilation (30-50 s per kind on a small CPU, cached under $LLMRL_CACHE_DIR/compiled); see docs/engine.md."""
     request_timeout_s: float = Field(120.0, gt=0)
     """Per-request timeout for remote inference."""
     weights_dir: str | None = None

@@ -19,36 +19,31 @@ keeps a single decode batch as full as it can:
   measured in docs/engine.md).
 * **Shared prefixes.** The ``n`` samples of one request (a GRPO group) prefill the prompt once. A
   long prompt with many samples keeps one copy of its keys and values that all ``n`` rows attend
-  to; a short one is copied into each row, which is cheaper to attend to (``decoder.py`` explains
-  the cache, the crossover, and why it is written with plain torch ops for the Llama/Qwen2
-  family; other architectures fall back to the model's own forward with a transformers cache).
-* **Prompts**: a string is tokenized as is (with the tokenizer's special tokens), chat messages
-  through the tokenizer's chat template with the generation prompt. With ``prompt_token_ids``
-  (multi-turn) those ids come first, used verbatim, and the prompt is appended as the next turn:
-  a string without special tokens, messages rendered as a follow-up turn (what the template puts
-  after an assistant message, minus the eos the model already produced, then the new turn).
+  to; a short one is copied into each row, which is cheaper to attend to (``decoder.py`` and
+  the modules it names: the KV cache, the crossover, and why the Llama/Qwen2 family runs on
+  plain torch ops; other architectures fall back to the model's own forward with a transformers
+  cache).
+* **Prompts** (``prompts.py``): strings tokenized as is, chat messages through the chat template
+  (with the request's ``chat_template_kwargs``); ``prompt_token_ids`` (multi-turn) come first,
+  the prompt appended as the next turn.
 * **Sampling** (``sampling.py``): temperature (0 = greedy), min-p, top-k, top-p, one batched draw
   per step; repetition and presence penalties and `min_tokens` on the rows that ask for them. Each sample has its own random stream seeded from ``(seed, sample index)``, so a seeded
   request gives the same tokens alone or beside others, and sample 0 of ``n`` equals the ``n=1``
   request with that seed. Unseeded requests draw a seed from the engine's generator (``seed``).
-* **Stops.** A completion ends with ``finish_reason="stop"`` at a stop token id or an eos token
-  (the token is kept in ``token_ids``/``logprobs``, dropped from ``text`` when it is special), or
-  when a stop string appears in the decoded text (detected incrementally with a
-  ``tokenizers.DecodeStream``; ``text`` is cut before the stop string, while ``token_ids`` keep
-  every sampled token, as vLLM does, so token trajectories stay exact); else ``"length"`` after
-  ``max_tokens``.
+* **Stops** (``sequences.py``): ``finish_reason="stop"`` at a stop token id, an eos token or a stop
+  string, else ``"length"`` after ``max_tokens``.
 * **Logprobs**: one per completion token, in float32, of the distribution the token was drawn
   from: ``log_softmax(logits / T)[token]``, renormalised over the tokens min-p/top-k/top-p keep,
   of the penalised logits when penalties are on; greedy requests report the temperature-1 logprob.
-* **Chat templates** get the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``).
-* **Weight updates** happen between decode steps, never under a running forward.
+* **Weight updates** (read and checked in ``weight_updates.py``) happen between decode steps,
+  never under a running forward.
   ``weight_update="drain"`` (default): admission pauses, in-flight sequences finish on the old
   weights (responses keep the old ``policy_version``), then the new weights load and the queue
   resumes; ``update_weights`` returns once they serve. ``"abort"``: in-flight sequences end at
   once with ``finish_reason="abort"`` (their tokens so far kept, old version) and the queue
   resumes on the new weights. The engine serves the model it is given: ``update_weights`` copies
-  the new values into that model's parameters and re-reads them (the fast path keeps the q/k/v
-  and gate/up projections concatenated). Do not change the served model in place while requests
+  the new values into that model's parameters and re-reads them (the Llama/Qwen2 decoder keeps
+  the q/k/v and gate/up projections concatenated). Do not change the served model in place while requests
   are in flight (give the engine its own copy when training runs ahead of generation); an
   in-place change takes effect at the next ``update_weights``, which may pass the model's own
   ``state_dict()``.
@@ -66,50 +61,33 @@ import asyncio
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
-from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder, list_tensor
+from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.interface import Weights, run_sync, running_loop
-from llmrl.inference.sampling import MAX_UNIFORM, RowSampling, penalize, row_sampling, sample_tokens
+from llmrl.inference.kv_cache import list_tensor
+from llmrl.inference.prompts import prompt_token_ids
+from llmrl.inference.sampling import (
+    MAX_UNIFORM,
+    RowSampling,
+    adjusts_logits,
+    penalize,
+    row_sampling,
+    sample_tokens,
+)
+from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, response
+from llmrl.inference.weight_updates import WeightUpdate, weight_update
 from llmrl.models.loading import check_supported
-from llmrl.types import MAX_POLICY_VERSION, FinishReason, GenerationArgs, InferenceRequest, InferenceResponse
-from llmrl.weight_checks import weight_problem
+from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 
 WeightUpdateMode = Literal["drain", "abort"]
-
-
-@dataclass(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    args: GenerationArgs
-    n: int
-    seed: int
-    stop_ids: frozenset[int]
-    future: Future
-    policy_version: int = 0
-    sequences: list[_Sequence] = field(default_factory=list)
-    unfinished: int = 0
-
-
-@dataclass(eq=False)
-class _Sequence:
-    request: _Request
-    rng: random.Random | None  # None for greedy rows: they draw nothing
-    stream: DecodeStream | None = None  # only when the request has stop strings
-    seen: torch.Tensor | None = None  # (V,) tokens of the prompt and completion so far, for penalties
-    seen_in_completion: torch.Tensor | None = None  # (V,) tokens of the completion so far
-    text: str = ""  # decoded so far, only tracked for stop strings
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
 
 
 @dataclass(eq=False)
@@ -119,14 +97,6 @@ class _Driver:
     loop: asyncio.AbstractEventLoop | None = None
     task: asyncio.Task | None = None
     thread: threading.Thread | None = None
-
-
-@dataclass(eq=False)
-class _WeightUpdate:
-    buckets: Iterable[dict[str, torch.Tensor]]  # read once, when the update is applied
-    version: int
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
 
 
 @dataclass
@@ -164,7 +134,6 @@ class LocalEngine:
         weight_update: WeightUpdateMode = "drain",
         policy_version: int = 0,
         seed: int | None = None,
-        compile: bool = False,
     ):
         """
         Args:
@@ -180,10 +149,6 @@ class LocalEngine:
             policy_version: version stamped on responses until the first `update_weights`.
             seed: seeds the generator that picks a seed for each request without one (None: from
                 the OS).
-            compile: run decode steps and prefills compiled ahead of time by AOTInductor
-                (Llama/Qwen2 decoder only): a 64-row step of the tiny model in ~0.6x the eager
-                time, after a one-off compilation of ~30-50 s per kind, cached on disk
-                (docs/engine.md).
         """
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
@@ -200,7 +165,7 @@ class LocalEngine:
         self.max_concurrent = max_concurrent
         self.weight_update = weight_update
         self.stats = EngineStats()
-        self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, compile=compile)
+        self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent)
         self._device = next(model.parameters()).device
         self._eos_ids = frozenset(_default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
@@ -208,11 +173,11 @@ class LocalEngine:
         self._version = policy_version
 
         self._lock = threading.Lock()  # guards the queue, the update list and the driver
-        self._waiting: deque[_Request] = deque()
-        self._updates: list[_WeightUpdate] = []
+        self._waiting: deque[PendingRequest] = deque()
+        self._updates: list[WeightUpdate] = []
         self._driver: _Driver | None = None
         # Owned by the driver:
-        self._running: list[_Sequence] = []  # in the decoder's row order
+        self._running: list[RunningSequence] = []  # in the decoder's row order
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
         self._draws: list[Callable[[], float]] = []  # each row's uniform draw, rebuilt with `_rows`
         self._adjusted: list[int] = []  # rows with penalties or min_tokens, rebuilt with `_rows`
@@ -233,7 +198,7 @@ class LocalEngine:
                                        attn_implementation=model.attn_implementation,
                                        trust_remote_code=model.trust_remote_code)
         return cls(served, tokenizer, max_batch_tokens=config.max_batch_tokens,
-                   max_concurrent=config.max_concurrent, seed=seed, compile=config.compile)
+                   max_concurrent=config.max_concurrent, seed=seed)
 
     @property
     def policy_version(self) -> int:
@@ -280,12 +245,7 @@ class LocalEngine:
         del reset
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION:
             raise ValueError(f"version must be an integer in 0..{MAX_POLICY_VERSION}, got {version!r}")
-        if isinstance(state_dict_or_path, (dict, str, Path)):
-            state = state_dict_or_path if isinstance(state_dict_or_path, dict) else _read_state_dict(state_dict_or_path)
-            self._check_state_dict(state)  # here, before the update waits its turn
-            update = _WeightUpdate([state], version)
-        else:
-            update = _WeightUpdate(self._checked(state_dict_or_path), version)
+        update = weight_update(self.model, state_dict_or_path, version)  # a whole state dict checked here
         with self._lock:
             self._updates.append(update)
             driver = self._driver
@@ -302,36 +262,19 @@ class LocalEngine:
 
     # -- request preparation (caller's thread) ----------------------------------------------------
 
-    def _prepare(self, request: InferenceRequest | dict[str, Any]) -> _Request:
+    def _prepare(self, request: InferenceRequest | dict[str, Any]) -> PendingRequest:
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
         elif not isinstance(request, InferenceRequest):
             raise ValueError(f"request must be an InferenceRequest or a dict, got {type(request).__name__}")
         args = request.generation_args
-        prompt_ids = self._tokenize(request)
-        context = self._decoder.max_positions
-        if not prompt_ids:
-            raise ValueError("prompt: it encodes to no tokens")
-        if len(prompt_ids) >= context:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens leave no room for a completion in the model's context of "
-                f"{context} tokens"
-            )
-        if len(prompt_ids) + args.max_tokens > context:
-            raise ValueError(
-                f"max_tokens: {args.max_tokens} completion tokens after a {len(prompt_ids)}-token prompt exceed "
-                f"the model's context of {context} tokens (at most {context - len(prompt_ids)} fit)"
-            )
-        vocab = self._decoder.vocab_size
-        for field_name, ids in (("prompt_token_ids", request.prompt_token_ids or ()), ("stop_token_ids", args.stop_token_ids)):
-            outside = sorted({t for t in ids if t >= vocab})
-            if outside:
-                raise ValueError(f"{field_name}: {outside[:5]} outside the vocabulary of {vocab} tokens")
+        prompt_ids = prompt_token_ids(self.tokenizer, request, context=self._decoder.max_positions,
+                                      vocab_size=self._decoder.vocab_size)
         with self._lock:  # random.Random is not safe to share between threads
             seed = args.seed if args.seed is not None else self._seeds.getrandbits(63)
         future = Future()
         future.add_done_callback(self._note_cancellation)
-        return _Request(
+        return PendingRequest(
             prompt_ids=prompt_ids,
             args=args,
             n=request.n,
@@ -344,62 +287,6 @@ class LocalEngine:
         """Done callback of every request's future, in the thread that finished it."""
         if future.cancelled():
             self._cancellations = True
-
-    def _tokenize(self, request: InferenceRequest) -> list[int]:
-        """Prompt ids: the chat template or the plain text, after `prompt_token_ids` when given."""
-        prefix, prompt = request.prompt_token_ids, request.prompt
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]
-            return list(prefix or []) + list(ids)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("prompt: chat messages need a tokenizer with a chat template; pass a string instead")
-        messages = [m.model_dump() for m in prompt]
-        template_kwargs = request.generation_args.chat_template_kwargs or {}
-        if prefix is None:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False, **template_kwargs)
-            return list(ids)
-        return list(prefix) + self._follow_up_ids(prefix, messages, template_kwargs)
-
-    def _follow_up_ids(self, prefix: list[int], messages: list[dict[str, str]],
-                       template_kwargs: dict[str, Any]) -> list[int]:
-        """Ids of `messages` as the next turn after a conversation whose ids (ending in a model turn) are `prefix`.
-
-        The template renders a reference conversation with and without the new messages; the
-        difference is the new turn. What the template writes after an assistant message (ChatML:
-        ``<|im_end|>\n``) is prepended, minus the eos token when the model already produced it.
-        """
-        reply = "\u2063llmrl-reply\u2063"  # text no real conversation contains
-        reference = [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}]
-        def render(conversation: list[dict[str, str]], **options: Any) -> str:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, **options, **template_kwargs)
-
-        before = render(reference)
-        after = render(reference + messages, add_generation_prompt=True)
-        if reply not in before or not after.startswith(before):
-            raise ValueError("prompt: the tokenizer's chat template cannot render a follow-up turn after prompt_token_ids")
-        closing = before[before.rindex(reply) + len(reply):]
-        eos = getattr(self.tokenizer, "eos_token", None)
-        if eos and closing.startswith(eos) and prefix[-1] == self.tokenizer.eos_token_id:
-            closing = closing[len(eos):]
-        return list(self.tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"])
-
-    def _checked(self, buckets: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        for bucket in buckets:
-            self._check_state_dict(bucket)
-            yield bucket
-
-    def _check_state_dict(self, state: dict[str, Any]) -> None:
-        own = self.model.state_dict()
-        unknown = sorted(k for k in state if k not in own)
-        if unknown:
-            raise ValueError(f"state_dict: keys the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
-            problem = weight_problem(key, value, own[key].shape, floating=own[key].is_floating_point())
-            if problem:
-                raise ValueError(f"state_dict: {problem}")
 
     # -- driving the batch -----------------------------------------------------------------------
     #
@@ -439,7 +326,7 @@ class LocalEngine:
 
     def _iterate(self, driver: _Driver) -> bool:
         """One scheduling round and step; False once `driver` has nothing left to do (or was replaced)."""
-        admitted: list[_Request] | None = []
+        admitted: list[PendingRequest] | None = []
         try:
             with torch.inference_mode():
                 with self._lock:
@@ -455,7 +342,7 @@ class LocalEngine:
             self._fail_batch(admitted or [], exc)
         return True
 
-    def _schedule(self) -> list[_Request] | None:
+    def _schedule(self) -> list[PendingRequest] | None:
         """Between steps (lock held): drop cancelled rows, apply weight updates, admit requests.
 
         Returns the requests to prefill this step, or None when there is nothing to do.
@@ -474,7 +361,7 @@ class LocalEngine:
                     seq.finish_reason = "abort"
                 self._remove_rows(list(range(len(self._running))))
             self._apply_updates()
-        admitted: list[_Request] = []
+        admitted: list[PendingRequest] = []
         if not self._updates and self._waiting:
             rows, tokens = len(self._running), self._cache_tokens()
             while self._waiting:
@@ -495,7 +382,7 @@ class LocalEngine:
             return None
         return admitted
 
-    def _defer_admission(self, admissible: list[_Request]) -> bool:
+    def _defer_admission(self, admissible: list[PendingRequest]) -> bool:
         """Whether `admissible` (the waiting requests that fit now) should wait for more room.
 
         A prefill of a few prompts costs about as much as a decode step of the whole batch, so
@@ -531,7 +418,7 @@ class LocalEngine:
             update.done.set()
         self._updates = []
 
-    def _step(self, admitted: list[_Request]) -> None:
+    def _step(self, admitted: list[PendingRequest]) -> None:
         """One engine iteration: decode the running rows, prefill the admitted requests, sample all."""
         logits = []
         if self._running:
@@ -553,7 +440,7 @@ class LocalEngine:
             self._rows = row_sampling([seq.request.args for seq in self._running], self._decoder.vocab_size,
                                       self._device)
             self._draws = [_no_draw if seq.rng is None else seq.rng.random for seq in self._running]
-            self._adjusted = [row for row, seq in enumerate(self._running) if _adjusts_logits(seq.request.args)]
+            self._adjusted = [row for row, seq in enumerate(self._running) if adjusts_logits(seq.request.args)]
         # A double just below 1 rounds to 1.0 in float32: clamped after the conversion.
         uniforms = list_tensor([draw() for draw in self._draws], torch.float32, self._device).clamp_(max=MAX_UNIFORM)
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
@@ -568,7 +455,7 @@ class LocalEngine:
             seq.logprobs.append(logprob)
             if seq.seen is not None:
                 seq.seen[token] = seq.seen_in_completion[token] = True
-            reason = self._finish_reason(seq, token)
+            reason = finish_reason(seq, token, self.tokenizer, self._backend)
             if reason is not None:
                 seq.finish_reason = reason
                 finished.append(row)
@@ -596,44 +483,21 @@ class LocalEngine:
         )
         return logits.float().index_copy(0, index, adjusted)
 
-    def _start(self, request: _Request) -> None:
+    def _start(self, request: PendingRequest) -> None:
         """Create the request's sequences (rows were appended by the decoder's prefill)."""
         request.policy_version = self._version
         request.unfinished = request.n
         sampled = request.args.temperature > 0.0
         for index in range(request.n):
-            seq = _Sequence(request, random.Random(f"{request.seed}/{index}") if sampled else None)
+            seq = RunningSequence(request, random.Random(f"{request.seed}/{index}") if sampled else None)
             if request.args.stop and self._backend is not None:
                 seq.stream = DecodeStream(skip_special_tokens=True)
-            if _adjusts_logits(request.args):
+            if adjusts_logits(request.args):
                 seq.seen = torch.zeros(self._decoder.vocab_size, dtype=torch.bool, device=self._device)
                 seq.seen[request.prompt_ids] = True
                 seq.seen_in_completion = torch.zeros_like(seq.seen)
             request.sequences.append(seq)
             self._running.append(seq)
-
-    def _finish_reason(self, seq: _Sequence, token: int) -> FinishReason | None:
-        request = seq.request
-        if token in request.stop_ids:
-            return "stop"
-        if request.args.stop and self._stop_string_ended(seq, token):
-            return "stop"
-        if len(seq.tokens) >= request.args.max_tokens:
-            return "length"
-        return None
-
-    def _stop_string_ended(self, seq: _Sequence, token: int) -> bool:
-        stops = seq.request.args.stop
-        if seq.stream is not None:
-            chunk = seq.stream.step(self._backend, token)
-            if not chunk:
-                return False
-            seq.text += chunk
-            # A stop string completed by this chunk starts at most len(stop) - 1 characters before it.
-            tail = seq.text[-(len(chunk) + max(len(s) for s in stops) - 1):]
-        else:
-            seq.text = tail = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return any(s in tail for s in stops)
 
     def _remove_rows(self, rows: list[int]) -> None:
         """Take `rows` out of the batch; resolve the requests whose last sequence just ended."""
@@ -647,25 +511,9 @@ class LocalEngine:
             request = seq.request
             request.unfinished -= 1
             if request.unfinished == 0 and not request.future.done():
-                request.future.set_result([self._response(s) for s in request.sequences])
+                request.future.set_result([response(s, self.tokenizer) for s in request.sequences])
 
-    def _response(self, seq: _Sequence) -> InferenceResponse:
-        request = seq.request
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in request.args.stop) if i >= 0]
-        if cuts:
-            text = text[: min(cuts)]
-        assert seq.finish_reason is not None
-        return InferenceResponse(
-            text=text,
-            prompt_token_ids=request.prompt_ids,
-            token_ids=seq.tokens,
-            logprobs=seq.logprobs,
-            finish_reason=seq.finish_reason,
-            policy_version=request.policy_version,
-        )
-
-    def _fail_batch(self, admitted: list[_Request], exc: Exception) -> None:
+    def _fail_batch(self, admitted: list[PendingRequest], exc: Exception) -> None:
         """A step raised: fail every request in the batch with `exc` and start again from an empty cache."""
         requests = {seq.request for seq in self._running} | set(admitted)
         for request in requests:
@@ -674,11 +522,6 @@ class LocalEngine:
         self._running = []
         self._rows = None
         self._decoder.reset()
-
-
-def _adjusts_logits(args: GenerationArgs) -> bool:
-    """Whether a request's logits change before sampling (penalties, or stop tokens banned for a while)."""
-    return args.repetition_penalty != 1.0 or args.presence_penalty != 0.0 or args.min_tokens > 0
 
 
 def _no_draw() -> float:
@@ -696,25 +539,3 @@ def _default_eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     elif generation_eos:
         ids.extend(generation_eos)
     return ids
-
-
-def _read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors or torch file, or of every such file in a folder (a sharded checkpoint)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-        if not files:
-            raise ValueError(f"state_dict_or_path: no *.safetensors, *.bin or *.pt files in {path}")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ValueError(f"state_dict_or_path: {path} is neither a file nor a folder")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state.update(load_file(str(file)))
-        else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
-    return state

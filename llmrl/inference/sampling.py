@@ -138,6 +138,11 @@ def sample_tokens(
     return tokens, logprobs
 
 
+def adjusts_logits(args: GenerationArgs) -> bool:
+    """Whether a request's logits change before sampling (penalties, or stop tokens banned for a while)."""
+    return args.repetition_penalty != 1.0 or args.presence_penalty != 0.0 or args.min_tokens > 0
+
+
 def penalize(
     logits: torch.Tensor,
     seen: torch.Tensor,

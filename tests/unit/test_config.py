@@ -119,6 +119,12 @@ def test_unknown_section_lists_valid_sections(tmp_path):
         load_config(_write(tmp_path, {**MINIMAL, "zzz": {}}))
 
 
+def test_removed_compile_option_is_an_unknown_key(tmp_path):
+    # `inference.compile` (AOTInductor-compiled engine steps) was removed: old configs fail loudly.
+    with pytest.raises(ConfigError, match=r"^inference\.compile: unknown key; valid keys here: type, "):
+        load_config(_write(tmp_path, {**MINIMAL, "inference": {"compile": True}}))
+
+
 def test_bad_nested_list_entry_is_located(tmp_path):
     data = {"environments": [{"agent_type": "arithmetic"}, {"agent_type": "countdown", "weight": -1}]}
     with pytest.raises(ConfigError, match=r"environments\[1\]\.weight: .*greater than or equal to 0"):

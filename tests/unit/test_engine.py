@@ -32,7 +32,7 @@ from transformers import (
 from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference import build_inference
-from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, _CompiledPackages, build_decoder
+from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import InferenceInterface, weight_buckets
 from llmrl.trainer.distributed import tied_duplicates
@@ -155,22 +155,6 @@ def test_built_from_config_through_the_registry(tokenizer, tmp_path):
     assert (engine.max_concurrent, engine.max_batch_tokens) == (5, 999)
     (response,) = engine.generate(InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=4)))
     assert len(response.token_ids) <= 4
-
-
-@pytest.mark.slow
-def test_compiled_engine_from_config_matches_eager_engine(tokenizer, tmp_path):
-    _build("qwen2", len(tokenizer)).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    engines = [build_inference(InferenceConfig(compile=compile), ModelConfig(spec=str(tmp_path)), seed=3)
-               for compile in (False, True)]
-    requests = [InferenceRequest(prompt=p, n=3, generation_args=GenerationArgs(max_tokens=24, seed=i))
-                for i, p in enumerate(PROMPTS)]
-    eager, compiled = (asyncio.run(_gather(engine, requests)) for engine in engines)
-    for eager_responses, compiled_responses in zip(eager, compiled, strict=True):
-        for e, c in zip(eager_responses, compiled_responses, strict=True):
-            assert c.token_ids == e.token_ids
-            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-4)
-    assert engines[1]._decoder._compiled is not None  # compiled steps served it, no fallback
 
 
 def test_greedy_matches_generate_token_for_token(served):
@@ -639,23 +623,15 @@ def _last_logits(model, sequences: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("family", "share_from", "compile"),
-    [("qwen2", 0, False), ("qwen2", 10, False), ("qwen2", 10**9, False), ("llama", 0, False), ("llama", 10, False),
-     ("gpt2", None, False), pytest.param("llama", 10, True, marks=pytest.mark.slow, id="llama-10-compiled")],
+    ("family", "share_from"),
+    [("qwen2", 0), ("qwen2", 10), ("qwen2", 10**9), ("llama", 0), ("llama", 10), ("gpt2", None)],
 )
-def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, share_from, compile, monkeypatch):
+def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, share_from):
     # share_from 0: every multi-sample group shares its prompt (cascade attention); 10**9: every
     # prompt is copied into its rows (one attention kernel); 10: both kinds in one batch, the
-    # shared cache created before and after inline groups. Compiled: the same steps through
-    # AOTInductor packages, rows, lengths and capacities changing under one package per attention kind.
+    # shared cache created before and after inline groups.
     model = _build(family, 97)
-    decoder = (build_decoder(model) if share_from is None
-               else LlamaFamilyDecoder(model, share_from=share_from, compile=compile))
-    loads = []
-    if compile:  # counts the packages loaded (each kind once, even when another test loaded it first)
-        step = decoder._compiled
-        step.runners.clear()
-        monkeypatch.setattr(step, "_load", lambda kind, inputs, load=step._load: loads.append(kind) or load(kind, inputs))
+    decoder = build_decoder(model) if share_from is None else LlamaFamilyDecoder(model, share_from=share_from)
     assert isinstance(decoder, LlamaFamilyDecoder) == (family != "gpt2")
     generator = torch.Generator().manual_seed(0)
     sequences: list[list[int]] = []
@@ -691,17 +667,10 @@ def test_decoder_logits_equal_full_forward_through_joins_and_removals(family, sh
                 remove(list(range(decoder.num_rows // 2)))
                 join([12], [3])  # shared again with share_from=10, after inline groups
             if step == 10:
-                join([1], [1])  # one prompt of one token in one row: sizes a compiled prefill pads
+                join([1], [1])  # one prompt of one token in one row
         assert decoder.num_rows == len(sequences)
         decoder.reset()
         assert decoder.num_rows == 0
-    if compile:
-        assert decoder._compiled is not None  # no fallback to eager steps on the way
-        # One package per kind (prefill into rows, decode steps of rows only and with a shared
-        # prompt) served every call: rows, lengths and capacities changing on the way loaded or
-        # built nothing more.
-        assert sorted(kind for kind, *_ in decoder._compiled.runners) == ["prefill", "rows", "shared"]
-        assert sorted(loads) == ["prefill", "rows", "shared"]
 
 
 def test_row_cache_doubles_up_to_what_its_rows_can_reach():
@@ -711,19 +680,19 @@ def test_row_cache_doubles_up_to_what_its_rows_can_reach():
         decoder.prefill([[5, 6, 7, 8, 9]], [2], max_new_tokens=[95])  # 5 + 95 positions at most
         for _ in range(94):
             decoder.decode(torch.tensor([11, 12]))
-            lengths.append(decoder.row_k.shape[3])
+            lengths.append(decoder.cache.row_k.shape[3])
         assert sorted(set(lengths)) == [16, 32, 64, 112]  # 100 rounded up to a multiple of 16, not 128
-        kept = decoder.row_k
+        kept = decoder.cache.row_k
         decoder.reset()  # on CPU the next batch reuses the memory: nothing grows again
         decoder.prefill([[5, 6, 7]], [2], max_new_tokens=[90])
         for _ in range(90):
             decoder.decode(torch.tensor([11, 12]))
-        assert decoder.row_k is kept
+        assert decoder.cache.row_k is kept
         fresh = LlamaFamilyDecoder(decoder.model)
         fresh.prefill([[5, 6, 7, 8, 9]], [2])  # no limit given: plain doubling
         for _ in range(94):
             fresh.decode(torch.tensor([11, 12]))
-        assert fresh.row_k.shape[3] == 128
+        assert fresh.cache.row_k.shape[3] == 128
 
 
 def test_reused_cache_gives_the_logits_of_a_fresh_one():
@@ -742,87 +711,3 @@ def test_reused_cache_gives_the_logits_of_a_fresh_one():
         fresh = LlamaFamilyDecoder(model)
         fresh.prefill(prompts, [2, 1])
         torch.testing.assert_close(reused, fresh.decode(tokens), rtol=0, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_compiled_steps_take_new_weights_without_recompiling():
-    model = _build("qwen2", 97, seed=3)
-    decoder = LlamaFamilyDecoder(model, compile=True)
-    prompts, tokens = [[5, 6, 7, 8], [9, 10]], torch.tensor([11, 12, 13])
-    with torch.inference_mode():
-        decoder.prefill(prompts, [2, 1])
-        before = decoder.decode(tokens)
-        runners = dict(decoder._compiled.runners)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.mul_(1.5)
-        decoder.refresh_weights()
-        decoder.reset()
-        decoder.prefill(prompts, [2, 1])
-        after = decoder.decode(tokens)
-    assert torch.dist(before, after) > 1e-2  # the new weights are used...
-    assert decoder._compiled.runners == runners  # ...by the same package
-    sequences = [p + [t] for p, t in zip([prompts[0], prompts[0], prompts[1]], tokens.tolist(), strict=True)]
-    torch.testing.assert_close(after, _last_logits(model, sequences), rtol=0, atol=1e-4)
-
-
-@pytest.mark.slow
-def test_compiled_steps_serve_a_single_row(monkeypatch):
-    # The package's dimensions start at 2: one row steps beside a copy of itself, not eagerly.
-    model = _build("qwen2", 97, seed=3)
-    decoder = LlamaFamilyDecoder(model, compile=True)
-
-    def no_eager_step(*args):
-        raise AssertionError("an eager step")
-
-    sequence = [9, 10]
-    with torch.inference_mode():
-        decoder.prefill([list(sequence)], [1], max_new_tokens=[8])
-        for token in (11, 12, 13):
-            if token == 12:  # the first step built (or loaded) the package: export traced the eager step
-                monkeypatch.setattr(decoder.forward, "step", no_eager_step)
-            sequence.append(token)
-            logits = decoder.decode(torch.tensor([token]))
-            assert logits.shape == (1, model.config.vocab_size)
-            torch.testing.assert_close(logits, _last_logits(model, [sequence]), rtol=0, atol=1e-4)
-    assert decoder._compiled is not None
-
-
-@pytest.mark.slow
-def test_compiled_step_package_is_reused_from_disk(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path))
-    model = _build("qwen2", 97, seed=4)
-    prompts, tokens = [[5, 6, 7, 8], [9, 10]], torch.tensor([11, 12, 13])
-    steps, logits = [], []
-    for _ in range(2):  # as two processes would: a step object with nothing loaded yet
-        decoder = LlamaFamilyDecoder(model, compile=True)
-        decoder._compiled = _CompiledPackages(decoder.forward)
-        with torch.inference_mode():
-            decoder.prefill(prompts, [2, 1])
-            logits.append(decoder.decode(tokens))
-        steps.append(decoder._compiled)
-    assert [step.built for step in steps] == [["prefill", "rows"], []]  # the second loaded the first one's
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "compiled").iterdir()) == ["prefill", "rows"]
-    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
-
-
-def test_failed_compiled_step_falls_back_to_eager_steps(caplog):
-    model = _build("qwen2", 97)
-    eager, compiled = LlamaFamilyDecoder(model), LlamaFamilyDecoder(model, compile=True)
-
-    class Broken:
-        def __call__(self, *inputs):
-            raise RuntimeError("no C++ compiler")
-
-        prefill = __call__
-
-    compiled._compiled = Broken()
-    tokens = torch.tensor([3, 4, 5])
-    with torch.inference_mode(), caplog.at_level("WARNING", logger="llmrl.inference.decoder"):
-        for decoder in (eager, compiled):
-            decoder.prefill([[5, 6, 7], [8, 9]], [2, 1])
-        torch.testing.assert_close(compiled.decode(tokens), eager.decode(tokens), rtol=0, atol=1e-5)
-        torch.testing.assert_close(compiled.decode(tokens), eager.decode(tokens), rtol=0, atol=1e-5)
-    assert compiled._compiled is None
-    assert [r.message for r in caplog.records].count(
-        "compiled step failed, running eagerly from now on: no C++ compiler") == 1
