@@ -105,3 +105,9 @@ def test_a_rollout_node_starts_its_servers_with_every_flag_llmrl_checks_for(tmp_
                              log_path=tmp_path / "log", seed=0, devices="0,1,2,3").command()  # fmt: skip
         script = server[server.index("-m"):]
         assert script == managed[managed.index("-m"):]  # the flags a managed server gets, in the same order
+
+
+def test_the_plans_in_docs_training_md_are_the_scripts(memory_plans, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["memory_plans.py", "--markdown"])
+    memory_plans.main()
+    assert capsys.readouterr().out.strip() in (ROOT / "docs" / "training.md").read_text()
