@@ -20,10 +20,11 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmrl.errors import UserError
 from llmrl.types import GenerationArgs
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is invalid; the message names every bad field."""
 
 

@@ -45,7 +45,7 @@ from llmrl.algorithms.packing import (
     unit_tokens,
     unpack,
 )
-from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.config import AlgorithmConfig, ConfigError, TrainingConfig
 from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.trainer.rollouts import RolloutBatch
@@ -211,7 +211,7 @@ class PolicyUpdate:
         too_long = [(r.problem_id, len(r.tokens)) for r in batch.rollouts if len(r.tokens) > budget]
         if too_long:
             problem, length = max(too_long, key=lambda item: item[1])
-            raise ValueError(
+            raise ConfigError(
                 f"training.micro_batch_tokens: a rollout of {length} tokens (problem {problem}) does not fit "
                 f"the micro-batch budget of {budget} tokens; raise training.micro_batch_tokens to at least {length}"
             )
@@ -382,10 +382,10 @@ def sampling_params(args: Sequence[GenerationArgs], names: Sequence[str]) -> flo
     """
     for options, name in zip(args, names, strict=True):
         if options.temperature == 0:
-            raise ValueError(f"{name} was decoded greedily (temperature 0): there is no distribution to train on")
+            raise ConfigError(f"{name} was decoded greedily (temperature 0): there is no distribution to train on")
         refused = options.untrainable_options
         if refused:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} was sampled with {refused}, which the trainer cannot reproduce in its logprobs; use these "
                 "options only in environments with evaluation_only: true"
             )
