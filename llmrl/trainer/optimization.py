@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import lr_scheduler
 
 from llmrl.algorithms.logprobs import SamplingParams, token_logprobs
-from llmrl.algorithms.losses import policy_loss
+from llmrl.algorithms.losses import LossOptions, policy_loss
 from llmrl.algorithms.packing import (
     PackedBatch,
     Unit,
@@ -151,19 +151,17 @@ class PolicyUpdate:
         self.policy = policy
         self.distributed = distributed
         self.optimizer = optimizer
-        self.algorithm = algorithm
         self.training = training
         self.generation_args = generation_args
-        self.max_length = algorithm.max_length or max_tokens
+        self.loss_options = LossOptions.from_config(
+            algorithm, max_tokens=max_tokens, generation_lag=training.generation_lag
+        )
         self.pad_token_id = pad_token_id
         self.reference = reference
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
         self._token_cost, self._pair_cost = forward_costs(policy)
         # A shared prefix brings its own attention mask, which would drop a sliding window.
         self._local_attention = has_local_attention(getattr(policy, "config", None))
-        # Rollouts generated ahead of training come from older weights: correct by default.
-        automatic = "truncate" if training.generation_lag > 0 else None
-        self.is_mode = {"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode)
         self.device = next(policy.parameters()).device
         master_dtype = next(policy.parameters()).dtype
         self._autocast_dtype = (
@@ -201,7 +199,7 @@ class PolicyUpdate:
         totals = _MetricTotals()
         for _ in range(self.training.iterations):
             for mini_batch in self._mini_batches(len(batch), generator):
-                normalizer = batch.normalizer(mini_batch, self.algorithm.aggregation, self.max_length)
+                normalizer = batch.normalizer(mini_batch, self.loss_options.aggregation, self.loss_options.max_length)
                 chosen = [i for i in mini_batch if i in is_forwarded]
                 if not chosen:
                     totals.add_skipped()
@@ -340,33 +338,22 @@ class PolicyUpdate:
         ref: list[torch.Tensor | None] | None,
         inference: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        algorithm = self.algorithm
         with self._compute():
             logprobs, entropies = token_logprobs(
                 self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
             )
-        if algorithm.entropy_coef == 0:
+        if self.loss_options.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
         return policy_loss(
             logprobs,
             logprobs.detach() if old is None else pack_values(old, packed),
             advantages,
             packed.loss_mask,
-            clip_low=algorithm.clip_low,
-            clip_high=algorithm.clip_high,
-            dual_clip=algorithm.dual_clip,
-            ratio_level=algorithm.ratio_level,
-            aggregation=algorithm.aggregation,
-            max_length=self.max_length,
+            self.loss_options,
             normalizer=normalizer,
             ref_logprobs=None if ref is None else pack_values(ref, packed),
-            kl_beta=algorithm.kl_beta,
-            kl_estimator=algorithm.kl_estimator,
             entropies=entropies,
-            entropy_coef=algorithm.entropy_coef,
             inference_logprobs=None if inference is None else pack_values(inference, packed),
-            is_mode=self.is_mode,
-            is_cap=algorithm.is_cap,
             sequence_ids=packed.sequence_ids,
         )
 
