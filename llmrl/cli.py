@@ -7,7 +7,8 @@
     llmrl export SOURCE OUTPUT                      write a model as a plain Hugging Face folder
     llmrl config show [CONFIG] [--set key=value]    print the fully resolved config
 
-User mistakes (bad config, missing file) print one clear message and exit with status 2;
+User mistakes (a `UserError`: a bad config, model spec or plug-in name; a missing or existing file)
+print one clear message and exit with status 2; any other exception is a bug and keeps its traceback.
 Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
 run whose inference server stops answering exits with 75 and one line saying since when; running
 the same command again resumes it.
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmrl.config import RunConfig, dump_config, load_config
+from llmrl.errors import UserError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -257,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as exc:  # user errors (ConfigError, RegistryError, ...)
+    except (UserError, FileExistsError, FileNotFoundError) as exc:
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

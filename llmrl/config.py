@@ -20,10 +20,11 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmrl.errors import UserError
 from llmrl.types import GenerationArgs
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is invalid; the message names every bad field."""
 
 
@@ -125,8 +126,16 @@ class EnvironmentConfig(Section):
         return self.env_id or self.agent_type
 
 
+# The allowed values of the algorithm's options, declared once: the fields below and `llmrl.algorithms` use them.
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+RatioLevel = Literal["token", "sequence"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ISMode = Literal["truncate", "mask"]
+
+
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"
     """Baseline of each group: GRPO (mean, std-normalised), Dr. GRPO (mean only) or RLOO."""
     batch_std_normalize: bool = False
     """Divide advantages by the std over the whole batch (REINFORCE++ style)."""
@@ -136,21 +145,19 @@ class AlgorithmConfig(Section):
     """Upper PPO clip range (DAPO clip-higher): ratios above 1 + clip_high are clipped."""
     dual_clip: float | None = Field(None, gt=1.0)
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None turns it off."""
-    ratio_level: Literal["token", "sequence"] = "token"
+    ratio_level: RatioLevel = "token"
     """Importance ratio per token (PPO/GRPO) or per sequence, length-normalised (GSPO)."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
+    aggregation: Aggregation = "token_mean"
     """How per-token losses become one number (see llmrl.algorithms.losses)."""
     max_length: int | None = Field(None, ge=1)
     """Constant divisor for `seq_mean_token_sum_norm` (Dr. GRPO); defaults to generation max_tokens."""
     kl_beta: float = Field(0.0, ge=0.0)
     """Weight of the KL penalty to the reference policy; 0 skips the reference model entirely."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """Estimator of KL(policy || reference) per token (Schulman's k1/k2/k3)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus."""
-    is_mode: Literal["auto", "truncate", "mask", "off"] = "auto"
+    is_mode: Literal["auto", ISMode, "off"] = "auto"
     """Trainer/inference mismatch correction: truncated IS weights, sequence masking, or off; `auto` is `truncate` when training.generation_lag > 0, else off."""
 
     @field_validator("is_mode", mode="before")

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmrl.errors import UserError
+
 _BUILTIN_AGENTS: dict[str, str] = {
     "arithmetic": "llmrl.envs.arithmetic:ArithmeticAgent",
     "countdown": "llmrl.envs.countdown:CountdownAgent",
@@ -43,7 +45,7 @@ _plugin_modules: set[str] = set()
 _inference: dict[str, str | type] = dict(_BUILTIN_INFERENCE)
 
 
-class RegistryError(ValueError):
+class RegistryError(UserError):
     """An unknown or unavailable registry name."""
 
 

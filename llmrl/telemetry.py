@@ -26,18 +26,22 @@ import contextlib
 import contextvars
 import itertools
 import json
+import logging
 import math
 import os
 import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmrl.types import Rollout, TokenRollout
 
 JsonRecord = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 def _json_safe(value: Any) -> Any:
@@ -72,9 +76,14 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
         raise
 
 
-def read_jsonl(path: str | Path) -> list[JsonRecord]:
-    """All records of a JSONL file. A torn last line (a crash mid-write) is skipped;
-    a malformed line anywhere else is a `ValueError` naming the line."""
+def read_jsonl(
+    path: str | Path, parse: Callable[[Any], Any] | None = None, *, skip_bad_lines: bool = False
+) -> list[Any]:
+    """The records of a JSONL file, each passed through `parse` when given.
+
+    The piece after the last newline, when it does not parse, is a line a crash tore mid-write: it is
+    skipped with a warning. Any other line that is not JSON, or that `parse` rejects (`ValueError`,
+    `KeyError`, `TypeError`), is a `ValueError` naming it, or with `skip_bad_lines` a warning."""
     path = Path(path)
     lines = path.read_text(encoding="utf-8").split("\n")
     records = []
@@ -82,12 +91,26 @@ def read_jsonl(path: str | Path) -> list[JsonRecord]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if number == len(lines):  # only the unterminated last piece can be torn
-                break
-            raise ValueError(f"{path}:{number}: not a JSON line ({error})") from error
+            record = json.loads(line)
+            records.append(record if parse is None else parse(record))
+        except (ValueError, KeyError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+            torn = number == len(lines)  # only the unterminated last piece can be torn
+            if not (torn or skip_bad_lines):
+                raise ValueError(f"{path}:{number}: not a valid record ({error})") from error
+            log.warning("%s:%d: skipped a %s line (%r)", path, number, "torn" if torn else "corrupt", error)
     return records
+
+
+def ends_with_newline(path: str | Path) -> bool:
+    """Whether appending to `path` starts a new line: it is missing, empty or ends in a newline."""
+    path = Path(path)
+    if not path.exists():
+        return True
+    with path.open("rb") as file:
+        if file.seek(0, os.SEEK_END) == 0:
+            return True
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) == b"\n"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -107,18 +130,11 @@ class _JsonlAppender:
             _check_step(resume_step, "resume_step")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() and (resume_step is not None or not self._ends_with_newline()):
+        if self.path.exists() and (resume_step is not None or not ends_with_newline(self.path)):
             kept = [r for r in read_jsonl(self.path) if resume_step is None or r["step"] <= resume_step]
             atomic_write(self.path, "".join(_json_line(r) for r in kept))
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
-
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as file:
-            if file.seek(0, os.SEEK_END) == 0:
-                return True
-            file.seek(-1, os.SEEK_END)
-            return file.read(1) == b"\n"
 
     def write(self, record: JsonRecord) -> None:
         line = _json_line(record)

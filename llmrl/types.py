@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
@@ -217,7 +217,11 @@ class _RolloutBase(WireModel):
 
 
 class Rollout(_RolloutBase):
-    """A text trajectory: prompt first, then alternating model / environment turns."""
+    """A text trajectory: prompt first, then alternating model / environment turns.
+
+    For logs (`RolloutLog`) only: the trainer needs the sampled token ids and their logprobs, so a
+    `RolloutGroup` takes `TokenRollout`s and refuses text ones.
+    """
 
     kind: Literal["text"] = "text"
     trajectory: list[str]
@@ -239,6 +243,17 @@ class TokenRollout(_RolloutBase):
         None, description="How the model turns were sampled: the trainer takes its logprobs of the same distribution."
     )
     text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_text(cls, data: Any) -> Any:
+        kind = data.get("kind") if isinstance(data, dict) else getattr(data, "kind", None)
+        if kind == "text":
+            raise ValueError(
+                "a text rollout (kind 'text') cannot be trained on: send a TokenRollout (kind 'token') with the "
+                "trajectory's token ids per segment, its generation_mask and the inference logprobs"
+            )
+        return data
 
     @model_validator(mode="after")
     def _segments_line_up(self) -> TokenRollout:
@@ -268,14 +283,11 @@ class TokenRollout(_RolloutBase):
         return sum(self.mask)
 
 
-AnyRollout = Annotated[Rollout | TokenRollout, Field(discriminator="kind")]
-
-
 class RolloutGroup(WireModel):
     """The rollouts of one prompt (a GRPO group)."""
 
     group_id: str = Field(min_length=1)
-    rollouts: list[AnyRollout] = Field(min_length=1)
+    rollouts: list[TokenRollout] = Field(min_length=1)
 
     @property
     def rewards(self) -> list[float]:

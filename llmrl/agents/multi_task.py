@@ -28,7 +28,7 @@ from typing import Any
 
 from llmrl.agents.base import Agent, has_signal, placeholder_rollout
 from llmrl.agents.pass_at_k import PassAtKAgent
-from llmrl.config import EnvironmentConfig
+from llmrl.config import ConfigError, EnvironmentConfig
 from llmrl.inference.interface import InferenceInterface
 from llmrl.registry import get_agent_class
 from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup
@@ -258,7 +258,7 @@ def build_agent(environment: EnvironmentConfig, seed: int = 0) -> Agent:
     accepted = _accepted_arguments(cls)
     reserved = {"seed", "env_id"} & set(environment.agent_args)
     if reserved:
-        raise ValueError(
+        raise ConfigError(
             f"environment {name!r}: agent_args must not set {sorted(reserved)} "
             "(env_id is the environment's own field; the seed comes from the run)"
         )
@@ -266,15 +266,15 @@ def build_agent(environment: EnvironmentConfig, seed: int = 0) -> Agent:
         unknown = sorted(set(environment.agent_args) - accepted)
         if unknown:
             valid = ", ".join(sorted(accepted - {"seed", "env_id"}))
-            raise ValueError(
+            raise ConfigError(
                 f"environment {name!r}: unknown agent_args {unknown} for {environment.agent_type!r}; valid: {valid}"
             )
     given = {"seed": seed, "env_id": name}
     extra = {k: v for k, v in given.items() if accepted is None or k in accepted}
     try:
         return cls(**environment.agent_args, **extra)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"environment {name!r} ({environment.agent_type}): {exc}") from exc
+    except (ValueError, TypeError) as exc:  # the agent's verdict on its arguments, which come from the config
+        raise ConfigError(f"environment {name!r} ({environment.agent_type}): {exc}") from exc
 
 
 def build_agents(

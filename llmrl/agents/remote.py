@@ -42,6 +42,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from llmrl.agents.base import Agent, placeholder_rollout
+from llmrl.config import ConfigError
 from llmrl.http_client import RequestRefused, RetryPolicy, ServerUnavailable, send
 from llmrl.inference.interface import InferenceInterface, run_blocking
 from llmrl.types import (
@@ -214,7 +215,7 @@ class RemoteAgent(Agent):
         async def restore() -> None:
             target = await self._target()
             if state.get("remote_env_id") != target or "state" not in state:
-                raise ValueError(
+                raise ConfigError(
                     f"{self.env_id}: saved state is for remote environment {state.get('remote_env_id')!r}, "
                     f"this agent targets {target!r}"
                 )
@@ -235,7 +236,7 @@ class RemoteAgent(Agent):
     def _endpoint(self, inference: InferenceInterface) -> InferenceEndpoint:
         base_url = self.inference_url or getattr(inference, "base_url", None)
         if not isinstance(base_url, str):
-            raise ValueError(
+            raise ConfigError(
                 "RemoteAgent needs an HTTP inference interface (inference.type: openai) "
                 "so the remote environment can call it"
             )
@@ -252,13 +253,13 @@ class RemoteAgent(Agent):
         served = [env.env_id for env in info.environments]
         if self.remote_env_id is None:
             if len(served) != 1:
-                raise ValueError(
+                raise ConfigError(
                     f"{self.env_id}: the environment server at {self.url} serves {served}; "
                     "set agent_args.remote_env_id to one of them"
                 )
             self.remote_env_id = served[0]
         elif self.remote_env_id not in served:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.env_id}: the environment server at {self.url} has no environment "
                 f"{self.remote_env_id!r}; it serves {served}"
             )

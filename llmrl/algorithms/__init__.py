@@ -12,11 +12,12 @@ from llmrl.algorithms.logprobs import (
     selective_log_softmax,
     token_logprobs,
 )
-from llmrl.algorithms.losses import kl_penalty, loss_normalizer, policy_loss
+from llmrl.algorithms.losses import LossOptions, kl_penalty, loss_normalizer, policy_loss
 from llmrl.algorithms.packing import PackedBatch, build_batch, pack, pack_values, packing_efficiency, unpack
 from llmrl.algorithms.shaping import soft_overlong_penalty
 
 __all__ = [
+    "LossOptions",
     "PackedBatch",
     "build_batch",
     "group_advantages",

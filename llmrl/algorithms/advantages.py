@@ -26,18 +26,19 @@ all equal carries no learning signal and gets exactly 0 (never NaN).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import get_args
 
 import torch
 
-Estimator = Literal["grpo", "dr_grpo", "rloo"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+from llmrl.config import AdvantageEstimator
+
+ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
 
 def group_advantages(
     rewards: torch.Tensor | Sequence[float],
     group_size: int,
-    estimator: Estimator = "grpo",
+    estimator: AdvantageEstimator = "grpo",
     valid: torch.Tensor | Sequence[bool] | None = None,
     *,
     batch_std_normalize: bool = False,

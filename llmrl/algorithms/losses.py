@@ -57,24 +57,85 @@ holding several sequences: then ``sequence_ids`` gives each token's sequence ind
 from __future__ import annotations
 
 import math
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import get_args
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
-AGGREGATIONS: tuple[str, ...] = (
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-)
-RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-IS_MODES: tuple[str, ...] = ("truncate", "mask")
+from llmrl.config import Aggregation, AlgorithmConfig, ISMode, KLEstimator, RatioLevel
+
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+IS_MODES: tuple[str, ...] = get_args(ISMode)
 
 # Log-ratios are clamped to +-LOG_RATIO_LIMIT before exp(): e^20 ~ 5e8 is far outside any clip range,
 # and one wild token must not turn the whole loss into inf/NaN.
 LOG_RATIO_LIMIT = 20.0
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The settings of `policy_loss` (see the module docstring for their formulas), checked when made."""
+
+    clip_low: float = 0.2
+    """Ratio clip range ``[1 - clip_low, 1 + clip_high]``."""
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    """Constant ``c > 1`` capping the loss of negative-advantage tokens at ``-c * A``; None: off."""
+    ratio_level: RatioLevel = "token"
+    """``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO)."""
+    aggregation: Aggregation = "token_mean"
+    max_length: int | None = None
+    """The constant length of ``seq_mean_token_sum_norm``."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty; `policy_loss` then needs ``ref_logprobs``."""
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus; `policy_loss` then needs ``entropies``."""
+    is_mode: ISMode | None = None
+    """``"truncate"`` (token IS weights capped at `is_cap`), ``"mask"`` (drop sequences whose
+    geometric-mean IS weight is outside ``[1/is_cap, is_cap]``) or None; needs ``inference_logprobs``."""
+    is_cap: float = 2.0
+    """Cap (``truncate``) or threshold (``mask``) of the IS weights."""
+
+    def __post_init__(self) -> None:
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError(
+                f"clip_low and clip_high must be >= 0, got clip_low={self.clip_low}, clip_high={self.clip_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.aggregation == "seq_mean_token_sum_norm" and (self.max_length is None or self.max_length < 1):
+            raise ValueError("max_length (a positive int) is required for aggregation='seq_mean_token_sum_norm'")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.is_mode is not None and self.is_mode not in IS_MODES:
+            raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {self.is_mode!r}")
+        if not self.is_cap > 0:
+            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+
+    @classmethod
+    def from_config(cls, algorithm: AlgorithmConfig, *, max_tokens: int, generation_lag: int) -> LossOptions:
+        """The options of a run: `max_length` defaults to the generation's `max_tokens`, and `is_mode`
+        ``auto`` truncates IS weights when rollouts are generated ahead of training (`generation_lag` > 0),
+        since they then come from older weights than the ratio corrects for."""
+        automatic = "truncate" if generation_lag > 0 else None
+        derived = ("max_length", "is_mode")
+        same_named = {f.name: getattr(algorithm, f.name) for f in fields(cls) if f.name not in derived}
+        return cls(
+            **same_named,
+            max_length=algorithm.max_length or max_tokens,
+            is_mode={"auto": automatic, "off": None}.get(algorithm.is_mode, algorithm.is_mode),
+        )
 
 
 def policy_loss(
@@ -82,22 +143,12 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    options: LossOptions = LossOptions(),  # noqa: B008 (frozen, so one shared default is safe)
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    ratio_level: Literal["token", "sequence"] = "token",
-    aggregation: Aggregation = "token_mean",
-    max_length: int | None = None,
     normalizer: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3",
     entropies: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
     inference_logprobs: torch.Tensor | None = None,
-    is_mode: Literal["truncate", "mask"] | None = None,
-    is_cap: float | None = None,
     sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy-gradient loss to minimise and its metrics (see the module docstring for formulas).
@@ -108,22 +159,12 @@ def policy_loss(
         advantages: ``[B]`` (one per row), ``[S]`` (one per sequence id, with `sequence_ids`), or
             ``[B, T]`` per token.
         mask: ``[B, T]`` True (or 1) on the completion tokens that the loss sees.
-        clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
-        dual_clip: constant ``c > 1`` capping the loss of negative-advantage tokens at ``-c * A``.
-        ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
-        aggregation: see the module docstring.
-        max_length: the constant length of ``seq_mean_token_sum_norm``.
+        options: the loss's settings (`LossOptions`).
         normalizer: denominator to use instead of this batch's own (see `loss_normalizer`).
-        ref_logprobs: ``[B, T]`` reference-policy logprobs; needed when ``kl_beta > 0``.
-        kl_beta: weight of the KL penalty.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-        entropies: ``[B, T]`` full-distribution entropies; needed when ``entropy_coef > 0``.
-        entropy_coef: weight of the entropy bonus.
-        inference_logprobs: ``[B, T]`` logprobs the inference engine reported; needed for `is_mode`.
-            Given without `is_mode`, they only feed the mismatch metrics.
-        is_mode: ``"truncate"`` (token IS weights capped at `is_cap`), ``"mask"`` (drop sequences whose
-            geometric-mean IS weight is outside ``[1/is_cap, is_cap]``) or None.
-        is_cap: cap (``truncate``) or threshold (``mask``); defaults to 2.0.
+        ref_logprobs: ``[B, T]`` reference-policy logprobs; needed when ``options.kl_beta > 0``.
+        entropies: ``[B, T]`` full-distribution entropies; needed when ``options.entropy_coef > 0``.
+        inference_logprobs: ``[B, T]`` logprobs the inference engine reported; needed for ``options.is_mode``.
+            Given without it, they only feed the mismatch metrics.
         sequence_ids: ``[B, T]`` sequence index of each token for packed rows (non-negative on masked
             tokens; anything, e.g. -1, elsewhere). None means one sequence per row.
 
@@ -131,19 +172,15 @@ def policy_loss(
     the masked tokens of this call unless named otherwise; ``num_tokens`` / ``num_sequences`` let a
     caller weight them across micro-batches.
     """
-    _check_options(
-        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level,
-        aggregation=aggregation, max_length=max_length, normalizer=normalizer, kl_beta=kl_beta,
-        kl_estimator=kl_estimator, entropy_coef=entropy_coef, is_mode=is_mode, is_cap=is_cap,
-    )  # fmt: skip
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0 (or None), got {normalizer}")
     _check_shapes(logprobs, old_logprobs, mask, ref_logprobs, entropies, inference_logprobs, sequence_ids)
-    if kl_beta > 0 and ref_logprobs is None:
+    if options.kl_beta > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs are required when kl_beta > 0")
-    if entropy_coef > 0 and entropies is None:
+    if options.entropy_coef > 0 and entropies is None:
         raise ValueError("entropies are required when entropy_coef > 0")
-    if is_mode is not None and inference_logprobs is None:
-        raise ValueError(f"inference_logprobs are required when is_mode={is_mode!r}")
-    cap = 2.0 if is_cap is None else is_cap
+    if options.is_mode is not None and inference_logprobs is None:
+        raise ValueError(f"inference_logprobs are required when is_mode={options.is_mode!r}")
 
     in_mask = mask.bool()
     m = in_mask.to(logprobs.dtype)  # (B, T) 1.0 on loss tokens
@@ -156,16 +193,16 @@ def policy_loss(
     advantages = torch.where(in_mask, _per_token_advantages(advantages, in_mask, segment, sequence_ids), 0.0)
 
     token_log_ratio = _clamped(logprobs - old_logprobs)  # log pi / pi_old, (B, T)
-    if ratio_level == "sequence":
+    if options.ratio_level == "sequence":
         per_sequence = _segment_mean(token_log_ratio, segment, tokens_per_sequence)  # (S,)
         log_ratio = per_sequence[segment].detach() + logprobs - logprobs.detach()  # GSPO-token form
     else:
         log_ratio = token_log_ratio
     ratio = log_ratio.exp()
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped_ratio = ratio.clamp(1.0 - options.clip_low, 1.0 + options.clip_high)
     pg = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # (B, T)
-    if dual_clip is not None:
-        pg = torch.where(advantages < 0, torch.minimum(pg, -dual_clip * advantages), pg)
+    if options.dual_clip is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -options.dual_clip * advantages), pg)
 
     metrics: dict[str, float] = {}
     keep = m  # (B, T) 1.0 on tokens that stay in the loss after masked IS
@@ -176,12 +213,12 @@ def policy_loss(
         metrics["mismatch_kl"] = _token_mean(_k3(is_log_weight), m)  # KL(q || pi_old), sampled from q
         metrics["is_weight_mean"] = _token_mean(is_weight, m)
         metrics["is_weight_max"] = float(is_weight[in_mask].max()) if in_mask.any() else 0.0
-        if is_mode == "truncate":
-            pg = pg * is_weight.clamp(max=cap)  # a constant weight: both logprobs are detached
-            metrics["is_truncated_frac"] = _token_mean((is_weight > cap).to(m.dtype), m)
-        elif is_mode == "mask":
+        if options.is_mode == "truncate":
+            pg = pg * is_weight.clamp(max=options.is_cap)  # a constant weight: both logprobs are detached
+            metrics["is_truncated_frac"] = _token_mean((is_weight > options.is_cap).to(m.dtype), m)
+        elif options.is_mode == "mask":
             seq_log_weight = _segment_mean(is_log_weight, segment, tokens_per_sequence)  # (S,)
-            outside = seq_log_weight.abs() > math.log(cap)  # (S,) weight outside [1/cap, cap]
+            outside = seq_log_weight.abs() > math.log(options.is_cap)  # (S,) weight outside [1/is_cap, is_cap]
             keep = m * (~outside[segment]).to(m.dtype)
             has_tokens = tokens_per_sequence > 0
             metrics["is_masked_seq_frac"] = float(
@@ -190,28 +227,28 @@ def policy_loss(
 
     per_token = pg
     if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, torch.where(in_mask, ref_logprobs.detach(), 0.0), kl_estimator)
+        kl = kl_penalty(logprobs, torch.where(in_mask, ref_logprobs.detach(), 0.0), options.kl_estimator)
         metrics["ref_kl"] = _token_mean(kl, m)
-        per_token = per_token + kl_beta * kl
+        per_token = per_token + options.kl_beta * kl
     if entropies is not None:
         entropies = torch.where(in_mask, entropies, 0.0)
         metrics["entropy"] = _token_mean(entropies, m)
-        per_token = per_token - entropy_coef * entropies
+        per_token = per_token - options.entropy_coef * entropies
 
-    weight = keep * _aggregation_weight(segment, tokens_per_sequence, aggregation)  # (B, T)
+    weight = keep * _aggregation_weight(segment, tokens_per_sequence, options.aggregation)  # (B, T)
     if normalizer is None:
         # An empty mask has a zero numerator; dividing by 1 keeps the loss 0 and differentiable.
-        normalizer = max(_denominator(m.sum(), tokens_per_sequence, aggregation, max_length), 1.0)
+        normalizer = max(_denominator(m.sum(), tokens_per_sequence, options.aggregation, options.max_length), 1.0)
     loss = (per_token * weight).sum() / normalizer
 
     with torch.no_grad():
         metrics["loss"] = loss.detach().item()
         metrics["pg_loss"] = float((pg * weight).sum() / normalizer)
         metrics["ratio_mean"] = _token_mean(ratio, m)
-        metrics["clip_frac_low"] = _token_mean(((advantages < 0) & (ratio < 1.0 - clip_low)).to(m.dtype), m)
-        metrics["clip_frac_high"] = _token_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(m.dtype), m)
-        if dual_clip is not None:
-            metrics["dual_clip_frac"] = _token_mean(((advantages < 0) & (ratio > dual_clip)).to(m.dtype), m)
+        metrics["clip_frac_low"] = _token_mean(((advantages < 0) & (ratio < 1.0 - options.clip_low)).to(m.dtype), m)
+        metrics["clip_frac_high"] = _token_mean(((advantages > 0) & (ratio > 1.0 + options.clip_high)).to(m.dtype), m)
+        if options.dual_clip is not None:
+            metrics["dual_clip_frac"] = _token_mean(((advantages < 0) & (ratio > options.dual_clip)).to(m.dtype), m)
         metrics["approx_kl"] = _token_mean(_k3(token_log_ratio), m)  # KL(pi_old || pi), sampled from pi_old
         metrics["num_tokens"] = float(m.sum())
         metrics["num_sequences"] = float((tokens_per_sequence > 0).sum())
@@ -245,7 +282,7 @@ def loss_normalizer(
 
 
 def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k3"
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3"
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' logprobs (k1, k2 or k3)."""
     if estimator not in KL_ESTIMATORS:
@@ -350,47 +387,6 @@ def _denominator(
         assert max_length is not None  # checked by the callers
         return num_sequences * max_length
     return num_sequences
-
-
-def _check_options(
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    ratio_level: str,
-    aggregation: str,
-    max_length: int | None,
-    normalizer: float | None,
-    kl_beta: float,
-    kl_estimator: str,
-    entropy_coef: float,
-    is_mode: str | None,
-    is_cap: float | None,
-) -> None:
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(
-            f"clip_low and clip_high must be >= 0, got clip_low={clip_low}, clip_high={clip_high}"
-        )
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if aggregation == "seq_mean_token_sum_norm" and (max_length is None or max_length < 1):
-        raise ValueError("max_length (a positive int) is required for aggregation='seq_mean_token_sum_norm'")
-    if normalizer is not None and not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0 (or None), got {normalizer}")
-    if kl_beta < 0:
-        raise ValueError(f"kl_beta must be >= 0, got {kl_beta}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if entropy_coef < 0:
-        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
-    if is_mode is not None and is_mode not in IS_MODES:
-        raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {is_mode!r}")
-    if is_cap is not None and not is_cap > 0:
-        raise ValueError(f"is_cap must be > 0, got {is_cap}")
 
 
 def _check_shapes(

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from llmrl.config import InferenceConfig, ModelConfig
+from llmrl.config import ConfigError, InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.interface import Weights, run_blocking, run_sync
 from llmrl.seeding import derive_seed
@@ -135,11 +135,11 @@ class OpenAIInterface:
         """The client `config` describes (`seed` is unused: the server seeds requests that carry none)."""
         del model, seed
         if not config.base_url:
-            raise ValueError(
+            raise ConfigError(
                 "inference.base_url: required for inference type 'openai' (e.g. http://127.0.0.1:8000/v1)"
             )
         if isinstance(config.base_url, list):
-            raise ValueError("inference.base_url: type 'openai' takes one URL; type 'vllm' spreads over several")
+            raise ConfigError("inference.base_url: type 'openai' takes one URL; type 'vllm' spreads over several")
         return cls(
             config.base_url,
             api_key=api_key_from_env(config),
@@ -346,14 +346,14 @@ def api_key_from_env(config: InferenceConfig) -> str | None:
         return None
     api_key = os.environ.get(config.api_key_env)
     if not api_key:
-        raise ValueError(f"inference.api_key_env: the environment variable {config.api_key_env} is not set")
+        raise ConfigError(f"inference.api_key_env: the environment variable {config.api_key_env} is not set")
     return api_key
 
 
 def _normalise_base_url(base_url: str) -> str:
     url = base_url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        raise ConfigError(f"base_url must start with http:// or https://, got {base_url!r}")
     return url if url.endswith("/v1") else f"{url}/v1"
 
 

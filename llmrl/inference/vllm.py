@@ -56,7 +56,7 @@ from typing import Any
 import httpx
 import torch
 
-from llmrl.config import InferenceConfig, ModelConfig, VLLMConfig
+from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.interface import Weights, run_blocking, run_in_new_loop, run_sync, weight_buckets
 from llmrl.inference.openai import (
@@ -359,9 +359,9 @@ class VLLMInterface:
             transport: the httpx transport of every client (tests pass a mock).
         """
         if not base_urls:
-            raise ValueError("inference.base_url: give at least one server")
+            raise ConfigError("inference.base_url: give at least one server")
         if config.transport == "disk" and weights_dir is None:
-            raise ValueError("inference.weights_dir: required with inference.vllm.transport 'disk'")
+            raise ConfigError("inference.weights_dir: required with inference.vllm.transport 'disk'")
         self.config = config
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None

@@ -8,11 +8,11 @@ imported by this package (runpy warns about that, and would run the module twice
 import importlib
 from typing import Any
 
-from llmrl.models.loading import check_supported, export_model, load_model, resolve_model_spec
+from llmrl.models.loading import ModelSpecError, check_supported, export_model, load_model, resolve_model_spec
 
 _TINY_EXPORTS = ("TINY_MODELS", "TinyRecipe", "build_tiny_model", "tiny_model_path")
 
-__all__ = ["check_supported", "export_model", "load_model", "resolve_model_spec", *_TINY_EXPORTS]
+__all__ = ["ModelSpecError", "check_supported", "export_model", "load_model", "resolve_model_spec", *_TINY_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

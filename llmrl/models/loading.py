@@ -22,11 +22,17 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from llmrl.errors import UserError
+
 TINY_SCHEME = "tiny://"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # `name` or `owner/name` with the characters the hub allows; anything else can only be a path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
+class ModelSpecError(UserError):
+    """A model spec names nothing llmrl can load, or a model llmrl cannot train and serve alike."""
 
 
 def _is_plausible_hub_id(spec: str) -> bool:
@@ -38,16 +44,16 @@ def resolve_model_spec(spec: str) -> str:
     from llmrl.models.tiny import TINY_MODELS, tiny_model_path  # here: see llmrl/models/__init__.py
 
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+        raise ModelSpecError(f"model spec must be a non-empty string, got {spec!r}")
     if spec.startswith(TINY_SCHEME):
         return str(tiny_model_path(spec[len(TINY_SCHEME) :]))
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"model spec {spec!r} is a file; expected a folder written by save_pretrained")
+            raise ModelSpecError(f"model spec {spec!r} is a file; expected a folder written by save_pretrained")
         return str(path)
     if not _is_plausible_hub_id(spec):
-        raise ValueError(
+        raise ModelSpecError(
             f"model spec {spec!r}: no such local folder, and it is not a Hugging Face hub id (owner/name); "
             f"use a folder written by save_pretrained, a hub id, or one of "
             f"{', '.join(TINY_SCHEME + n for n in sorted(TINY_MODELS))}"
@@ -60,7 +66,7 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def check_supported(config: object, attn_implementation: str | None = None) -> None:
-    """Raise `ValueError`, naming the feature and the model type, if llmrl cannot serve and train a
+    """Raise `ModelSpecError`, naming the feature and the model type, if llmrl cannot serve and train a
     model of `config` with the same numbers (`attn_implementation`: the attention kernel asked for,
     None: the one already in `config`).
 
@@ -74,7 +80,7 @@ def check_supported(config: object, attn_implementation: str | None = None) -> N
     for text_config in _text_configs(config):
         for rope in _rope_parameters(text_config):
             if rope.get("rope_type") in LENGTH_DEPENDENT_ROPE:
-                raise ValueError(
+                raise ModelSpecError(
                     f"model type {model_type!r}: rotary scaling rope_type={rope['rope_type']!r} is not supported "
                     f"(its frequencies change with the sequence length, so generation with a KV cache and a "
                     f"training forward would give different logprobs)"
@@ -82,12 +88,12 @@ def check_supported(config: object, attn_implementation: str | None = None) -> N
         implementation = attn_implementation or getattr(text_config, "_attn_implementation", None)
         softcap = getattr(text_config, "attn_logit_softcapping", None)
         if softcap is not None and implementation == "sdpa":
-            raise ValueError(
+            raise ModelSpecError(
                 f"model type {model_type!r}: attention logit soft-capping (attn_logit_softcapping={softcap}) is not "
                 f"supported with attn_implementation='sdpa', which cannot soft-cap; use attn_implementation='eager'"
             )
         if getattr(text_config, "use_bidirectional_attention", False):
-            raise ValueError(f"model type {model_type!r}: bidirectional attention (use_bidirectional_attention=True) "
+            raise ModelSpecError(f"model type {model_type!r}: bidirectional attention (use_bidirectional_attention=True) "
                              f"is not supported: llmrl trains causal language models")
 
 
@@ -115,7 +121,7 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer; the tokenizer always has a pad token.
 
-    A model with a feature llmrl does not support raises `ValueError` naming it (`check_supported`).
+    A model with a feature llmrl does not support raises `ModelSpecError` naming it (`check_supported`).
 
     The model comes back in eval mode on `device`. On the ``meta`` device it is built from its
     config alone, its weights never read (a rank that receives its shards from another). Tokenizers
@@ -132,15 +138,15 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as exc:  # unreachable hub, unknown repo, or a folder without tokenizer files
-        raise ValueError(f"model spec {spec!r}: cannot load its tokenizer: {exc}") from exc
+        raise ModelSpecError(f"model spec {spec!r}: cannot load its tokenizer: {exc}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
+            raise ModelSpecError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as exc:
-        raise ValueError(f"model spec {spec!r}: cannot load its config: {exc}") from exc
+        raise ModelSpecError(f"model spec {spec!r}: cannot load its config: {exc}") from exc
     check_supported(config, attn_implementation)
     if torch.device(device).type == "meta":
         with torch.device("meta"):
@@ -163,7 +169,7 @@ def export_model(spec: str, output_dir: str | Path, *, dtype: str | torch.dtype 
     """Write the model and tokenizer that `spec` names as a plain Hugging Face folder (`llmrl export`)."""
     output = Path(output_dir).expanduser()
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"output folder {str(output)!r} must not exist or be empty")
+        raise UserError(f"output folder {str(output)!r} must not exist or be empty")
     model, tokenizer = load_model(spec, dtype=dtype)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)

@@ -45,6 +45,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.cache import cache_root
+from llmrl.models.loading import ModelSpecError
 from llmrl.tasks.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
 
 RECIPE_VERSION = 1
@@ -472,7 +473,7 @@ def build_tiny_model(output_dir: str | Path, recipe: TinyRecipe = TINY_MODELS["a
 def _recipe_for(name: str) -> TinyRecipe:
     if name not in TINY_MODELS:
         valid = ", ".join(f"tiny://{n}" for n in sorted(TINY_MODELS))
-        raise ValueError(f"unknown model spec 'tiny://{name}'; valid tiny models: {valid}")
+        raise ModelSpecError(f"unknown model spec 'tiny://{name}'; valid tiny models: {valid}")
     return TINY_MODELS[name]
 
 

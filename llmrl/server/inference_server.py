@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from llmrl.errors import UserError
 from llmrl.inference.engine import LocalEngine
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
 from llmrl.types import (
@@ -344,7 +345,7 @@ def create_inference_app(
     if weights_dir is not None:
         folder = Path(weights_dir).resolve()
         if not folder.is_dir():
-            raise ValueError(f"weights_dir: {weights_dir} is not a folder")
+            raise UserError(f"weights_dir: {weights_dir} is not a folder")
     server = _InferenceServer(engine, model_name, folder, max_n)
     app = secure_app(FastAPI(title="llmrl inference"), api_key=api_key, max_body_bytes=max_body_bytes)
     weights_app = secure_app(

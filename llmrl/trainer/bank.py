@@ -18,16 +18,13 @@ trained on yet.
 from __future__ import annotations
 
 import json
-import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmrl.telemetry import atomic_write
+from llmrl.telemetry import atomic_write, ends_with_newline, read_jsonl
 from llmrl.types import RolloutGroup
-
-log = logging.getLogger(__name__)
 
 BANK_FILE = "rollout_bank.jsonl"
 
@@ -59,7 +56,7 @@ class RolloutBank:
     def append(self, batch: BankedBatch) -> None:
         """Write one batch as one flushed line (a torn line from an earlier crash is cut off first)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self._ends_cleanly():
+        if not ends_with_newline(self.path):
             self._rewrite(self.read())
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(batch.to_line())
@@ -69,14 +66,7 @@ class RolloutBank:
         """Every intact batch, in file order; torn or corrupt lines are skipped with a warning."""
         if not self.path.exists():
             return []
-        batches = []
-        for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(keepends=True), 1):
-            batch = _parse(line)
-            if batch is None:
-                log.warning("%s: line %d is torn or corrupt (checksum or JSON); skipped", self.path, number)
-                continue
-            batches.append(batch)
-        return batches
+        return read_jsonl(self.path, _parse, skip_bad_lines=True)
 
     def pending(self, trained_step: int) -> list[BankedBatch]:
         """The banked batches for steps trained_step+1, trained_step+2, ... without a gap."""
@@ -93,13 +83,6 @@ class RolloutBank:
         if self.path.exists():
             self._rewrite(self.pending(trained_step))
 
-    def _ends_cleanly(self) -> bool:
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return True
-        with self.path.open("rb") as handle:
-            handle.seek(-1, 2)
-            return handle.read(1) == b"\n"
-
     def _rewrite(self, batches: list[BankedBatch]) -> None:
         atomic_write(self.path, "".join(b.to_line() for b in batches))
 
@@ -109,15 +92,10 @@ def _canonical(record: dict[str, Any]) -> str:
     return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
-def _parse(line: str) -> BankedBatch | None:
-    if not line.endswith("\n"):
-        return None  # the write that would have ended it never finished
-    try:
-        outer = json.loads(line)
-        record = outer["record"]
-        if zlib.crc32(_canonical(record).encode()) != outer["crc32"]:
-            return None
-        groups = [RolloutGroup.model_validate(g) for g in record["groups"]]
-        return BankedBatch(step=int(record["step"]), groups=groups, agent_state=record["agents"])
-    except (ValueError, KeyError, TypeError):
-        return None
+def _parse(entry: dict[str, Any]) -> BankedBatch:
+    """One bank line's batch; a `ValueError` when its checksum does not match its record."""
+    record = entry["record"]
+    if zlib.crc32(_canonical(record).encode()) != entry["crc32"]:
+        raise ValueError("checksum mismatch")
+    groups = [RolloutGroup.model_validate(g) for g in record["groups"]]
+    return BankedBatch(step=int(record["step"]), groups=groups, agent_state=record["agents"])

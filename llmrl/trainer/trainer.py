@@ -49,7 +49,7 @@ from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.bank import BANK_FILE, RolloutBank
 from llmrl.trainer.distributed import Distributed, tied_duplicates
 from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, PeakMemory, plan_memory
-from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
+from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
 from llmrl.trainer.rollouts import (
@@ -399,8 +399,7 @@ class Trainer:
         if ckpt.load_optimizer(folder, state, self.policy, self.optimizer, sharded_model=sharded):
             self.scheduler.load_state_dict(state["scheduler"])
         else:  # the schedule still follows the step; Adam's moments start over
-            self.scheduler.last_epoch = self.step
-            self.scheduler.step(self.step)
+            fast_forward(self.scheduler, self.step)
 
     def _open_outputs(self, stack: ExitStack) -> None:
         if not self.is_main:  # the other ranks only keep their phase times

@@ -51,3 +51,17 @@ def test_console_entry_point_runs():
         [sys.executable, "-m", "llmrl", "config", "show"], capture_output=True, text=True, check=True
     )
     assert yaml.safe_load(result.stdout)["model"]["spec"] == "tiny://arithmetic"
+
+
+def test_a_bad_model_spec_deep_inside_a_command_exits_2(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "no-such-model"), str(tmp_path / "out")]) == EXIT_USAGE
+    assert "no such local folder" in capsys.readouterr().err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken(config):
+        raise ValueError("an invariant of ours broke")  # not the user's mistake: no ConfigError or UserError
+
+    monkeypatch.setattr("llmrl.cli.dump_config", broken)
+    with pytest.raises(ValueError, match="an invariant of ours broke"):
+        main(["config", "show"])

@@ -137,7 +137,7 @@ def test_resume_also_drops_a_torn_line(tmp_path):
 def test_malformed_line_in_the_middle_is_an_error(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a valid record"):
         read_metrics(path)
 
 

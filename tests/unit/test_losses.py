@@ -7,9 +7,18 @@ import math
 import pytest
 import torch
 
-from llmrl.algorithms.losses import kl_penalty, loss_normalizer, policy_loss
+from llmrl.algorithms.losses import LossOptions, kl_penalty, loss_normalizer, policy_loss
+from llmrl.config import AlgorithmConfig
 
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+
+
+def loss_of(logprobs, old_logprobs, advantages, mask, *, normalizer=None, ref_logprobs=None, entropies=None,
+            inference_logprobs=None, sequence_ids=None, **options):  # fmt: skip
+    """`policy_loss` with its `LossOptions` given as keywords, as the cases below list them."""
+    return policy_loss(logprobs, old_logprobs, advantages, mask, LossOptions(**options), normalizer=normalizer,
+                       ref_logprobs=ref_logprobs, entropies=entropies, inference_logprobs=inference_logprobs,
+                       sequence_ids=sequence_ids)  # fmt: skip
 
 
 def reference_loss(
@@ -137,7 +146,7 @@ def run_both(batch, **options):
         "inference_logprobs": batch["inference_logprobs"] if kwargs.get("is_mode") else None,
     }
     logprobs = batch["logprobs"]
-    loss, metrics = policy_loss(logprobs, batch["old"], batch["advantages"], batch["mask"], **kwargs, **extra)
+    loss, metrics = loss_of(logprobs, batch["old"], batch["advantages"], batch["mask"], **kwargs, **extra)
     (grad,) = torch.autograd.grad(loss, logprobs)
     reference_kwargs = {**kwargs, **{k: v for k, v in extra.items() if v is not None}}
     if "is_cap" not in reference_kwargs:
@@ -168,7 +177,7 @@ def test_gspo_equals_the_sequence_level_objective(aggregation):
     # (For the other aggregations the same holds with each sequence weighted by its token count.)
     batch = random_batch(3)
     logprobs, old, advantages, mask = batch["logprobs"], batch["old"], batch["advantages"], batch["mask"]
-    loss, _ = policy_loss(
+    loss, _ = loss_of(
         logprobs, old, advantages, mask, ratio_level="sequence", aggregation=aggregation, max_length=9
     )
     (grad,) = torch.autograd.grad(loss, logprobs)
@@ -198,7 +207,7 @@ def scalar_case(logprob, old, advantage, **options):
     lp = torch.tensor([[0.0, math.log(logprob)]], dtype=torch.float64, requires_grad=True)
     old_lp = torch.tensor([[0.0, math.log(old)]], dtype=torch.float64)
     mask = torch.tensor([[False, True]])
-    loss, metrics = policy_loss(lp, old_lp, torch.tensor([advantage], dtype=torch.float64), mask, **options)
+    loss, metrics = loss_of(lp, old_lp, torch.tensor([advantage], dtype=torch.float64), mask, **options)
     loss.backward()
     return loss.item(), lp.grad[0, 1].item(), metrics
 
@@ -236,7 +245,7 @@ def test_hand_derived_aggregations():
         "seq_mean_token_sum_norm": (-1 + 6) / (2 * 4),  # 0.625 with max_length 4
     }
     for aggregation, value in expected.items():
-        loss, metrics = policy_loss(
+        loss, metrics = loss_of(
             logprobs, logprobs, advantages, mask, aggregation=aggregation, max_length=4
         )
         assert loss.item() == pytest.approx(value), aggregation
@@ -252,7 +261,7 @@ def test_hand_derived_kl_estimators():
     assert float(kl_penalty(lp, ref, "k3")) == pytest.approx(0.5 - 1 + math.log(2))
     # In the loss (A = 0, so only the KL term): kl_beta * k3 on one token.
     zero = torch.zeros(1)
-    loss, metrics = policy_loss(
+    loss, metrics = loss_of(
         lp[None], lp[None], zero, torch.ones(1, 1, dtype=torch.bool), ref_logprobs=ref[None], kl_beta=0.5
     )
     assert loss.item() == pytest.approx(0.5 * (0.5 - 1 + math.log(2)))
@@ -265,7 +274,7 @@ def test_hand_derived_importance_weights():
     lp = torch.log(torch.tensor([[0.3, 0.2]]))
     inference = lp - torch.log(torch.tensor([[3.0, 0.5]]))
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, metrics = policy_loss(
+    loss, metrics = loss_of(
         lp, lp, torch.tensor([-1.0]), mask, inference_logprobs=inference, is_mode="truncate"
     )
     assert loss.item() == pytest.approx((2.0 + 0.5) / 2)
@@ -275,11 +284,11 @@ def test_hand_derived_importance_weights():
     # ((3 - 1 - log 3) + (0.5 - 1 - log 0.5)) / 2 = (0.9014 + 0.1931) / 2
     assert metrics["mismatch_kl"] == pytest.approx(((3 - 1 - math.log(3)) + (0.5 - 1 - math.log(0.5))) / 2)
     # Sequence masking: geometric mean weight sqrt(3 * 0.5) = 1.22 is inside [1/1.5, 1.5] but not [1/1.2, 1.2].
-    loss, metrics = policy_loss(
+    loss, metrics = loss_of(
         lp, lp, torch.tensor([-1.0]), mask, inference_logprobs=inference, is_mode="mask", is_cap=1.5
     )
     assert loss.item() == pytest.approx(1.0) and metrics["is_masked_seq_frac"] == 0.0
-    loss, metrics = policy_loss(
+    loss, metrics = loss_of(
         lp, lp, torch.tensor([-1.0]), mask, inference_logprobs=inference, is_mode="mask", is_cap=1.2
     )
     assert loss.item() == 0.0 and metrics["is_masked_seq_frac"] == 1.0
@@ -291,8 +300,8 @@ def test_entropy_bonus():
     batch = random_batch(4)
     args = (batch["logprobs"], batch["old"], batch["advantages"], batch["mask"])
     entropies = batch["entropies"].requires_grad_()
-    base, _ = policy_loss(*args)
-    bonus, metrics = policy_loss(*args, entropies=entropies, entropy_coef=0.1)
+    base, _ = loss_of(*args)
+    bonus, metrics = loss_of(*args, entropies=entropies, entropy_coef=0.1)
     base_grad = torch.autograd.grad(base, batch["logprobs"])[0]
     bonus_grad, entropy_grad = torch.autograd.grad(bonus, [batch["logprobs"], entropies])
     mask = batch["mask"]
@@ -305,7 +314,7 @@ def test_entropy_bonus():
 
 def test_metrics_match_loops():
     batch = random_batch(5, per_token_advantages=True)
-    loss, metrics = policy_loss(
+    loss, metrics = loss_of(
         batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], clip_low=0.1, clip_high=0.25
     )
     low = high = approx_kl = ratio_sum = count = 0
@@ -347,14 +356,14 @@ def test_packed_row_equals_one_sequence_per_row(aggregation, ratio_level):
         "is_mode": "mask",
         "is_cap": 1.3,
     }
-    loss, _ = policy_loss(
+    loss, _ = loss_of(
         batch["logprobs"], batch["old"], batch["advantages"], batch["mask"],
         inference_logprobs=batch["inference_logprobs"], **options,
     )  # fmt: skip
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     packed, order = pack_rows(batch)
     packed_logprobs = packed["logprobs"].detach().requires_grad_()
-    packed_loss, _ = policy_loss(
+    packed_loss, _ = loss_of(
         packed_logprobs, packed["old"], batch["advantages"], packed["mask"],
         inference_logprobs=packed["inference_logprobs"], sequence_ids=packed["sequence_ids"], **options,
     )  # fmt: skip
@@ -369,7 +378,7 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     # micro-batch gradients must equal the full-batch gradient exactly (up to float rounding).
     batch = random_batch(7, rows=9, per_token_advantages=False)
     options = {"aggregation": aggregation, "max_length": 11, "ratio_level": "sequence", "kl_beta": 0.1}
-    full_loss, _ = policy_loss(
+    full_loss, _ = loss_of(
         batch["logprobs"],
         batch["old"],
         batch["advantages"],
@@ -385,7 +394,7 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     assert normalizer == sum(loss_normalizer(batch["mask"][s], aggregation, max_length=11) for s in splits)
     total = 0.0
     for s in splits:
-        micro_loss, _ = policy_loss(
+        micro_loss, _ = loss_of(
             batch["logprobs"][s], batch["old"][s], batch["advantages"][s], batch["mask"][s],
             ref_logprobs=batch["ref_logprobs"][s], normalizer=normalizer, **options,
         )  # fmt: skip
@@ -395,7 +404,7 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     torch.testing.assert_close(batch["logprobs"].grad, full_grad, rtol=1e-12, atol=1e-14)
     # Without the global normaliser, seq/token means of micro-batches do not add up (the test can fail).
     unnormalized = sum(
-        policy_loss(
+        loss_of(
             batch["logprobs"][s], batch["old"][s], batch["advantages"][s], batch["mask"][s],
             ref_logprobs=batch["ref_logprobs"][s], **options,
         )[0].item()
@@ -422,13 +431,13 @@ def test_garbage_outside_the_mask_is_ignored():
         "entropies": batch["entropies"],
         "entropy_coef": 0.1,
     }
-    clean, _ = policy_loss(batch["logprobs"], batch["old"], batch["advantages"], mask, **args)
+    clean, _ = loss_of(batch["logprobs"], batch["old"], batch["advantages"], mask, **args)
     (clean_grad,) = torch.autograd.grad(clean, batch["logprobs"])
     dirty_logprobs = torch.where(mask, batch["logprobs"].detach(), -torch.inf).requires_grad_()
     dirty = {
         key: torch.where(mask, value, torch.nan) for key, value in args.items() if torch.is_tensor(value)
     }
-    loss, _ = policy_loss(
+    loss, _ = loss_of(
         dirty_logprobs, torch.where(mask, batch["old"], 50.0), batch["advantages"], mask, **{**args, **dirty}
     )
     loss.backward()
@@ -438,7 +447,7 @@ def test_garbage_outside_the_mask_is_ignored():
 
 def test_empty_mask_gives_a_differentiable_zero():
     logprobs = torch.zeros(2, 3, requires_grad=True)
-    loss, metrics = policy_loss(
+    loss, metrics = loss_of(
         logprobs, logprobs.detach(), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool)
     )
     loss.backward()
@@ -468,15 +477,27 @@ def test_empty_mask_gives_a_differentiable_zero():
 def test_bad_options_are_value_errors(options, message):
     logprobs = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=message):
-        policy_loss(logprobs, logprobs, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), **options)
+        loss_of(logprobs, logprobs, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), **options)
 
 
 def test_bad_advantage_shape():
     logprobs = torch.zeros(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logprobs, logprobs, torch.ones(3), mask)
+        loss_of(logprobs, logprobs, torch.ones(3), mask)
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(
+        loss_of(
             logprobs, logprobs, torch.ones(1), mask, sequence_ids=torch.tensor([[0, 0, 0], [1, 1, 1]])
         )
+
+
+@pytest.mark.parametrize(
+    ("is_mode", "generation_lag", "expected"),
+    [("auto", 0, None), ("auto", 2, "truncate"), ("off", 2, None), ("mask", 0, "mask")],
+)
+def test_loss_options_of_a_run_config(is_mode, generation_lag, expected):
+    algorithm = AlgorithmConfig(is_mode=is_mode, clip_high=0.3, kl_beta=0.1)
+    options = LossOptions.from_config(algorithm, max_tokens=64, generation_lag=generation_lag)
+    assert options.is_mode == expected
+    assert (options.max_length, options.clip_high, options.kl_beta) == (64, 0.3, 0.1)
+    assert LossOptions.from_config(AlgorithmConfig(max_length=9), max_tokens=64, generation_lag=0).max_length == 9

@@ -23,9 +23,9 @@ from llmrl.trainer.optimization import (
     PolicyUpdate,
     _MetricTotals,
     build_optimizer,
+    fast_forward,
     forward_costs,
     has_local_attention,
-    lr_factor,
     sampling_params,
 )
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
@@ -345,14 +345,57 @@ def test_rollout_longer_than_the_micro_batch_budget_is_a_clear_error():
         run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=12))
 
 
-@pytest.mark.parametrize(
-    ("schedule", "expected"),
-    [("constant", [0.5, 1.0, 1.0, 1.0, 1.0]), ("linear", [0.5, 1.0, 1.0, 2 / 3, 1 / 3]),
-     ("cosine", [0.5, 1.0, 1.0, 0.75, 0.25])],
-)  # fmt: skip
-def test_lr_schedules(schedule, expected):
-    training = TrainingConfig(steps=5, warmup_steps=2, lr_schedule=schedule)
-    assert [lr_factor(step, training) for step in range(5)] == pytest.approx(expected)
+def hand_written_lr_factor(step: int, training: TrainingConfig) -> float:
+    """The schedule as llmrl wrote it before it used torch's schedulers: the reference they must match."""
+    if step < training.warmup_steps:
+        return (step + 1) / training.warmup_steps
+    progress = min((step - training.warmup_steps) / max(training.steps - training.warmup_steps, 1), 1.0)
+    return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[
+        training.lr_schedule
+    ]
+
+
+def schedule_lrs(training: TrainingConfig, steps: int, *, resume_at: int | None = None) -> list[float]:
+    """The learning rate of steps 0..steps-1 under `build_optimizer`'s schedule; with `resume_at`, the schedule
+    is rebuilt there from the step alone (a resume without the optimizer's state)."""
+    optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
+    lrs = []
+    for step in range(steps):
+        if step == resume_at:
+            optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
+            fast_forward(schedule, step)
+        lrs.append(schedule.get_last_lr()[0])
+        assert optimizer.param_groups[0]["lr"] == lrs[-1]
+        optimizer.step()
+        schedule.step()
+    return lrs
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize(("steps", "warmup_steps"), [(5, 2), (10, 0), (6, 1), (4, 4), (3, 5), (50, 7)])
+def test_lr_schedules_follow_the_hand_written_curves(schedule, steps, warmup_steps):
+    training = TrainingConfig(lr=0.5, steps=steps, warmup_steps=warmup_steps, lr_schedule=schedule)
+    expected = [0.5 * hand_written_lr_factor(step, training) for step in range(steps + 1)]
+    assert schedule_lrs(training, steps + 1) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_lr_schedule_resumes_from_the_step_alone_or_from_its_state():
+    training = TrainingConfig(lr=0.5, steps=8, warmup_steps=3, lr_schedule="cosine")
+    whole = schedule_lrs(training, 8)
+    assert schedule_lrs(training, 8, resume_at=5) == whole
+    optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
+    for _ in range(5):
+        optimizer.step()
+        schedule.step()
+    restored_optimizer, restored = build_optimizer(torch.nn.Linear(2, 2), training)
+    restored_optimizer.load_state_dict(optimizer.state_dict())
+    restored.load_state_dict(schedule.state_dict())
+    lrs = []
+    for _ in range(3):
+        lrs.append(restored.get_last_lr()[0])
+        restored_optimizer.step()
+        restored.step()
+    assert lrs == whole[5:]
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

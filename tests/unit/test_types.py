@@ -53,13 +53,11 @@ def test_json_round_trip(obj):
     assert restored == obj
 
 
-def test_rollout_group_keeps_rollout_kinds_through_json():
-    group = RolloutGroup(
-        group_id="g", rollouts=[_token_rollout(), Rollout(trajectory=["a", "b"], env_id="e", problem_id="p")]
-    )
-    restored = RolloutGroup.model_validate_json(group.model_dump_json())
-    assert [type(r) for r in restored.rollouts] == [TokenRollout, Rollout]
-    assert restored.rewards == [1.0, 0.0]
+def test_rollout_group_refuses_text_rollouts_naming_what_to_send():
+    text = Rollout(trajectory=["a", "b"], env_id="e", problem_id="p")
+    for given in (text, text.model_dump(mode="json")):  # a Python object, and the same sent over HTTP
+        with pytest.raises(ValidationError, match="cannot be trained on: send a TokenRollout"):
+            RolloutGroup(group_id="g", rollouts=[_token_rollout(), given])
 
 
 def test_generation_args_is_immutable():
