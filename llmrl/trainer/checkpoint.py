@@ -6,7 +6,8 @@ Layout of ``RUN_DIR/checkpoints/step_000020/``::
                         in the compute dtype (`model.dtype`), ready for vLLM or transformers
     master.safetensors  one process with master weights in another dtype (`training.master_dtype`)
                         only: the master weights, which a resumed run continues from
-    trainer_state.pt    step, optimizer, LR schedule, RNG states, agent sampler cursors, evaluations
+    trainer_state.pt    step, optimizer, RNG states, agent sampler cursors, evaluations (the LR
+                        schedule is rebuilt from the step)
     config.yaml         the resolved run config
     sharded/            runs over several processes only: model and optimizer state written with
                         `torch.distributed.checkpoint` (each rank its shards); the optimizer is

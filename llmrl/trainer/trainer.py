@@ -353,9 +353,9 @@ class Trainer:
             "rng": ckpt.rng_state(),
         }
         if self.config.checkpoint.save_optimizer and self.distributed is None:
-            state |= {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            state |= {"optimizer": self.optimizer.state_dict()}
         elif self.config.checkpoint.save_optimizer:  # the optimizer goes to the sharded state
-            state |= {"sharded_optimizer": True, "scheduler": self.scheduler.state_dict()}
+            state |= {"sharded_optimizer": True}
         return state
 
     def _save(self) -> None:
@@ -396,10 +396,10 @@ class Trainer:
             self.agents.load_state_dict(state["agents"])
         ckpt.set_rng_state(state["rng"])
         sharded = self.distributed is not None
-        if ckpt.load_optimizer(folder, state, self.policy, self.optimizer, sharded_model=sharded):
-            self.scheduler.load_state_dict(state["scheduler"])
-        else:  # the schedule still follows the step; Adam's moments start over
-            fast_forward(self.scheduler, self.step)
+        ckpt.load_optimizer(folder, state, self.policy, self.optimizer, sharded_model=sharded)  # else Adam starts over
+        # The schedule is a function of the step: stepped as often as the uninterrupted run stepped it,
+        # it gives the same rates bit for bit, from checkpoints of any version of llmrl.
+        fast_forward(self.scheduler, self.step)
 
     def _open_outputs(self, stack: ExitStack) -> None:
         if not self.is_main:  # the other ranks only keep their phase times

@@ -379,23 +379,12 @@ def test_lr_schedules_follow_the_hand_written_curves(schedule, steps, warmup_ste
     assert schedule_lrs(training, steps + 1) == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
-def test_lr_schedule_resumes_from_the_step_alone_or_from_its_state():
-    training = TrainingConfig(lr=0.5, steps=8, warmup_steps=3, lr_schedule="cosine")
-    whole = schedule_lrs(training, 8)
-    assert schedule_lrs(training, 8, resume_at=5) == whole
-    optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
-    for _ in range(5):
-        optimizer.step()
-        schedule.step()
-    restored_optimizer, restored = build_optimizer(torch.nn.Linear(2, 2), training)
-    restored_optimizer.load_state_dict(optimizer.state_dict())
-    restored.load_state_dict(schedule.state_dict())
-    lrs = []
-    for _ in range(3):
-        lrs.append(restored.get_last_lr()[0])
-        restored_optimizer.step()
-        restored.step()
-    assert lrs == whole[5:]
+def test_lr_schedule_resumes_from_the_step_alone():
+    """A resumed run rebuilds the schedule and steps it to the checkpoint's step: the same rates bit for bit."""
+    for schedule in ("constant", "linear", "cosine"):
+        training = TrainingConfig(lr=0.5, steps=8, warmup_steps=3, lr_schedule=schedule)
+        whole = schedule_lrs(training, 8)
+        assert all(schedule_lrs(training, 8, resume_at=step) == whole for step in range(8))
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -442,10 +431,10 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
 
 def test_optimizer_state_survives_a_checkpoint(tmp_path):
     policy = tiny_policy()
-    optimizer, scheduler = build_optimizer(policy, TrainingConfig(lr=1e-3))
+    optimizer, _ = build_optimizer(policy, TrainingConfig(lr=1e-3))
     policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
-    folder = save(tmp_path, 1, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
+    folder = save(tmp_path, 1, optimizer=optimizer.state_dict())
     restored, _ = build_optimizer(copy.deepcopy(policy), TrainingConfig(lr=1e-3))
     restored.load_state_dict(ckpt.load_trainer_state(folder)["optimizer"])
     state = restored.state_dict()["state"][0]
