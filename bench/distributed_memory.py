@@ -10,10 +10,10 @@ the tiny model's tokenizer) into a temporary folder, trains it for `--steps` ste
 - once the trainer is built (models loaded and sharded, the engine built, the first weight sync);
 - up to the final checkpoint (loading, every step's training and weight sync), and overall (the
   checkpoint's Hugging Face folder is written from weights gathered whole on rank 0);
-- against the memory plan: the process's memory after its imports, plus its quarter of
-  everything AdamW trains with (weights, gradients, two moments: 4 x a shard of 1/2 the model),
-  plus on rank 0 the engine's copy of the model (counted as one full copy; its fast path also
-  keeps the q/k/v and gate/up projections concatenated, another ~70% of the decoder layers).
+- against the memory plan the trainer prints at start (`llmrl.trainer.memory`, its total for that
+  rank): the process before the model loads, its half of the weights, gradients and AdamW's two
+  moments, the gathered blocks, the largest micro-batch's activations and, on rank 0, the
+  engine's copy and KV cache.
 
 `--llmrl PATH` runs the llmrl package found in PATH instead of this checkout's (e.g. an earlier
 commit exported with ``git archive COMMIT | tar -x -C PATH``), for a before/after comparison.
@@ -59,6 +59,7 @@ def worker(result_file: Path, train_args: list[str]) -> None:
     def build_noting_the_peak(self: Trainer, *args: object) -> None:
         build(self, *args)
         figures["peak_built_mb"] = status_mb("VmHWM")
+        figures["plan_mb"] = self.memory_plan.total(rank0=self.is_main) / MB
 
     def save_noting_the_peak(self: Trainer) -> None:
         figures.setdefault("peak_before_checkpoint_mb", status_mb("VmHWM"))
@@ -120,10 +121,9 @@ def main() -> None:
     print(f"{'rank':>4} {'imports':>8} {'built':>12} {'to checkpoint':>14} {'overall':>12} {'plan':>6}"
           "   (MB; peaks, in full copies)")
     for figures in ranks:
-        plan = figures["after_imports_mb"] + 4 * full_mb / 2 + (full_mb if figures["rank"] == 0 else 0)
         peaks = [figures[k] for k in ("peak_built_mb", "peak_before_checkpoint_mb", "peak_mb")]
         shown = " ".join(f"{mb:>7.0f} ({mb / full_mb:.1f})" for mb in peaks)
-        print(f"{figures['rank']:>4} {figures['after_imports_mb']:>8.0f} {shown} {plan:>6.0f}")
+        print(f"{figures['rank']:>4} {figures['after_imports_mb']:>8.0f} {shown} {figures['plan_mb']:>6.0f}")
 
 if __name__ == "__main__":
     main()

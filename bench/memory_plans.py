@@ -12,11 +12,13 @@ The models are built on the meta device from the hand-written configs below (no 
 memory, well under a second each); they mirror the Hugging Face hub's config.json of each model,
 the fields that set parameter counts and activation sizes.
 
-Two figures outside the plan are printed beside it, because they fall on rank 0 only:
+Two figures outside the plan are printed beside it, because they fall on rank 0's host (CPU)
+memory only:
 
-- **load**: rank 0 loads the whole model in the master dtype onto its GPU before it is sharded
-  (`Distributed.load_model`), a transient peak;
-- **host**: each weight sync gathers the weights bucket by bucket onto rank 0's CPU in the master
+- **load**: rank 0 loads the whole model in the master dtype into host memory and broadcasts it
+  to every rank's GPU shard by shard (`Distributed.load_model`), a transient peak; no GPU ever
+  holds the whole model;
+- **host**: each weight sync gathers the weights bucket by bucket onto rank 0's CPU in the compute
   dtype, and the vLLM interface keeps one whole copy of them (the serialised buckets with
   `http`/`disk`, the collected state dict with `nccl`), so rank 0's host memory needs that much.
 """
@@ -100,9 +102,12 @@ def plan_of(layout: Layout) -> tuple[RunConfig, MemoryPlan]:
 
 
 def rank0_extras(config: RunConfig, plan: MemoryPlan) -> tuple[float, float]:
-    """GB of rank 0's transient load on its GPU, and of the copy of the weights its host keeps for syncs."""
-    full = plan.shape.parameters * torch.finfo(DTYPES[config.training.master_dtype]).bits // 8
-    return full / GB, full / GB
+    """GB of rank 0's transient load into host memory, and of the copy of the weights its host keeps for syncs."""
+    def bytes_per_parameter(dtype: str) -> int:
+        return torch.finfo(DTYPES[dtype]).bits // 8
+
+    load = plan.shape.parameters * bytes_per_parameter(config.training.master_dtype)
+    return load / GB, plan.shape.parameters * bytes_per_parameter(config.model.dtype) / GB
 
 
 def main() -> None:
@@ -125,11 +130,11 @@ def main() -> None:
             print(f"== examples/{layout.example}: {layout.label}")
             print(plan.render())
             fits = "fits" if plan.fits() else "DOES NOT FIT"
-            print(f"{fits} in {H100_BYTES / GB:.0f} GB; rank 0 also loads the whole model onto its GPU before "
-                  f"sharding ({load_gb:.1f} GB, transient{'' if load_gb * GB <= H100_BYTES else ': DOES NOT FIT'}) "
-                  f"and keeps {host_gb:.1f} GB of weights in host memory for weight syncs\n")  # fmt: skip
+            print(f"{fits} in {H100_BYTES / GB:.0f} GB per GPU; rank 0's host memory also loads the whole model "
+                  f"before it is sharded ({load_gb:.1f} GB, transient) and keeps {host_gb:.1f} GB of weights "
+                  "for weight syncs\n")  # fmt: skip
     print("| example | layout | parameters | compute / master | micro-batch tokens | checkpointing "
-          "| rank 0 GB | other ranks GB | rank 0 load GB | rank 0 host GB |")  # fmt: skip
+          "| rank 0 GB | other ranks GB | rank 0 host load GB | rank 0 host sync GB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

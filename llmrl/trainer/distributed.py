@@ -177,46 +177,49 @@ class Distributed:
         self, spec: str, *, device: str, compute_dtype: torch.dtype | None = None, **options: Any
     ) -> tuple[torch.nn.Module, Any]:
         """`llmrl.models.load_model(spec, device=device, **options)`, sharded (`shard`, with
-        `compute_dtype`), with no full copy on any rank but 0.
+        `compute_dtype`), with no full copy on any device and none in host memory but rank 0's.
 
-        Rank 0 loads the weights; the others build the model on the meta device (no memory). Every
-        rank shards it, then rank 0 broadcasts the weights one tensor at a time and each rank keeps
-        its shard; rank 0's full copy is freed on return. What a state dict lacks is mended on the
-        other ranks: aliases (tied embeddings), which loading into a meta model replaces by separate
-        tensors, are tied again, and the non-persistent buffers (rotary ``inv_freq``) are rank 0's.
+        Every rank builds the model on the meta device (no memory) and shards it; rank 0 also loads
+        the weights into host memory and broadcasts them one tensor at a time, each rank keeping its
+        shard on `device`; rank 0's host copy is freed on return. (Loaded onto its GPU, a 32B model
+        in float32 would need 131 GB there before it is sharded.) What a state dict lacks is
+        mended: aliases (tied embeddings), which loading into a meta model replaces by separate
+        tensors, are tied again, and the non-persistent buffers (rotary ``inv_freq``) are the loaded
+        model's.
         """
-        model, tokenizer = load_model(spec, device=device if self.is_main else "meta", **options)
+        del device  # the shards land on this process's device (`self.device`)
+        loaded, tokenizer = load_model(spec, device="cpu", **options) if self.is_main else (None, None)
+        model, meta_tokenizer = load_model(spec, device="meta", **options)
         first_names = _first_names(model)
-        full = model.state_dict() if self.is_main else {}  # holds rank 0's weights through sharding
+        full = loaded.state_dict() if loaded is not None else {}
+        buffers = dict(loaded.named_buffers()) if loaded is not None else {}
+        del loaded  # `full` and `buffers` hold what is still needed of it
         self.shard(model, compute_dtype=compute_dtype)
         with warnings.catch_warnings():  # DCP's look-up of the default device of a meta-built model warns twice
             warnings.simplefilter("ignore", UserWarning)
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full
-        if not self.is_main:
-            for name, first in first_names.items():
-                if name != first:
-                    setattr(*_owner(model, name), getattr(*_owner(model, first)))
-        for module in model.modules():
+        for name, first in first_names.items():
+            if name != first:
+                setattr(*_owner(model, name), getattr(*_owner(model, first)))
+        for module_name, module in model.named_modules():
             for name in sorted(module._non_persistent_buffers_set):  # sorted: set order differs between processes
                 buffer = module._buffers[name]
                 if buffer is None:
                     continue
-                value = buffer if self.is_main else torch.empty_like(buffer, device=self.device)
+                full_name = f"{module_name}.{name}" if module_name else name
+                value = buffers[full_name].to(self.device) if self.is_main else torch.empty_like(buffer, device=self.device)
                 dist.broadcast(value, src=0)
                 module._buffers[name] = value
-        return model, tokenizer
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The unsharded weights on CPU on rank 0 ({} elsewhere); every rank must call it."""
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return model, tokenizer if self.is_main else meta_tokenizer
 
     def gathered_buckets(
-        self, model: torch.nn.Module, bucket_bytes: int, *, skip: Collection[str] = ()
+        self, model: torch.nn.Module, bucket_bytes: int, *, skip: Collection[str] = (), dtype: torch.dtype | None = None
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The unsharded weights, but the names in `skip`, in buckets of at most `bucket_bytes`
         (`weight_buckets`: a decoder layer larger than that is one bucket), on CPU on rank 0 and
-        empty elsewhere.
+        empty elsewhere; floating-point weights in `dtype` when given (what inference serves: half
+        the bytes of float32 master weights to move and hold).
 
         Each bucket is all-gathered by every rank when it is read, so every rank must read the
         iterator to its end, in step; rank 0 holds the bucket it is given and no other.
@@ -228,7 +231,7 @@ class Distributed:
             for name in names:
                 value = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
                 if self.is_main:
-                    bucket[name] = value.cpu()
+                    bucket[name] = (value.to(dtype) if dtype and value.is_floating_point() else value).cpu()
             yield bucket
 
     def broadcast_object(self, obj: Any = None) -> Any:

@@ -295,7 +295,8 @@ class Trainer:
             weights: Any = self._untied(self.policy.state_dict())
         else:
             bucket_bytes = self.config.inference.weight_sync_bucket_mb << 20
-            weights = self.distributed.gathered_buckets(self.policy, bucket_bytes, skip=self._tied_names)
+            weights = self.distributed.gathered_buckets(self.policy, bucket_bytes, skip=self._tied_names,
+                                                        dtype=self.compute_dtype)
         if self.is_main:
             started = time.time()
             try:
@@ -377,14 +378,17 @@ class Trainer:
         optimizer; rank 0 writes the Hugging Face folder (gathered weights), the rest, and renames."""
         distributed = self.distributed
         assert distributed is not None
-        weights = distributed.full_state_dict(self.policy)
+        weights: dict[str, torch.Tensor] = {}  # in the compute dtype the folder is written in: no float32 copy
+        for bucket in distributed.gathered_buckets(self.policy, self.config.inference.weight_sync_bucket_mb << 20,
+                                                   skip=self._tied_names, dtype=self.compute_dtype):
+            weights |= bucket
         temp = distributed.broadcast_object(ckpt.start_checkpoint(self.run_dir, self.step) if self.is_main else None)
         ckpt.save_sharded(temp, self.policy, self.optimizer if self.config.checkpoint.save_optimizer else None)
         if self.is_main:
             ckpt.write_checkpoint_files(
                 temp, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
                 config_yaml=dump_config(self.config),
-                model_state=self._untied(weights), dtype=self.compute_dtype,
+                model_state=weights, dtype=self.compute_dtype,
             )  # fmt: skip
             ckpt.finish_checkpoint(self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last)
         distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
