@@ -32,7 +32,8 @@ from pathlib import Path
 MB = 1 << 20
 SETTINGS = [
     "training.prompts_per_step=2", "training.group_size=2", "inference.generation.max_tokens=8",
-    "inference.max_concurrent=4", "evaluation.at_start=false", "evaluation.every=0", "evaluation.at_end=false",
+    "inference.max_concurrent=4", "inference.max_batch_tokens=256", "training.micro_batch_tokens=128",
+    "evaluation.at_start=false", "evaluation.every=0", "evaluation.at_end=false",
     "checkpoint.every=0", "logging.progress=off", "logging.tensorboard=false", "logging.trace=false",
     # A random model earns no reward, and all-zero advantages skip the update: a small entropy bonus
     # makes every step run its backward pass and AdamW step.
