@@ -33,6 +33,17 @@ def tiny_model(tiny_model_path):
     return load_model("tiny://arithmetic")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module of tests (restored after it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` skip, saying so, where torch sees no GPU."""
     import torch

@@ -51,12 +51,8 @@ LONG_PROMPT = " ".join(f"the fox counts {i} + {2 * i} = {3 * i}." for i in range
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: one thread is as fast, and a busy neighbour core cannot stall it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Tiny matmuls: one thread is as fast, and a busy neighbour core cannot stall it."""
 
 
 @pytest.fixture(scope="module")

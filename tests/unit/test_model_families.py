@@ -85,12 +85,8 @@ NATIVE = {"llama3", "qwen2"}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
+def _one_thread(one_torch_thread):
     """Tiny matmuls: one thread is as fast, and a busy neighbour core cannot stall it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
