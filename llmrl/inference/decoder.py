@@ -7,7 +7,8 @@ protocol, `build_decoder`, which picks one, and the generic fallback:
 
 * `LlamaFamilyDecoder` (``llama_decoder.py``; Llama, Qwen2): its own KV cache (``kv_cache.py``)
   and a forward pass in plain torch ops (``llama_forward.py``), rows of every request batched in
-  one step, a GRPO group's long prompt kept once.
+  one step, a GRPO group's long prompt kept once. It keeps the q/k/v and gate/up projections
+  fused in tensors of its own, which replace the model's when the engine owns the model.
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
   ``DynamicCache`` per prompt group (prefilled once, repeated to ``n`` rows), one forward per group
   per step. Slower (no batching across requests), but works for every architecture with a cache.
@@ -56,16 +57,17 @@ class Decoder(Protocol):
         """Drop every row (the cache's memory may stay allocated for the next batch)."""
         ...
 
-    def refresh_weights(self) -> None:
-        """Re-read the model's parameters after they changed in place."""
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Serve the tensors of `state` (the model's state-dict names, checked; a subset changes only those)."""
         ...
 
 
-def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None) -> Decoder:
+def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None, owns_model: bool = False) -> Decoder:
     """`LlamaFamilyDecoder` where the architecture allows it (`max_rows`: how far its row capacity
-    doubles), else the generic `HFDecoder`."""
+    doubles; `owns_model`: it may release the model's tensors it keeps fused), else the generic
+    `HFDecoder`."""
     if LlamaFamilyDecoder.supports(model):
-        return LlamaFamilyDecoder(model, max_rows=max_rows)
+        return LlamaFamilyDecoder(model, max_rows=max_rows, owns_model=owns_model)
     return HFDecoder(model)
 
 
@@ -99,8 +101,10 @@ class HFDecoder:
             if isinstance(t, torch.Tensor)
         )
 
-    def refresh_weights(self) -> None:
-        """Nothing to do: every step calls the model itself."""
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Into the model itself, which every step calls."""
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
 
     def reset(self) -> None:
         self.groups = []

@@ -42,11 +42,14 @@ keeps a single decode batch as full as it can:
   resumes; ``update_weights`` returns once they serve. ``"abort"``: in-flight sequences end at
   once with ``finish_reason="abort"`` (their tokens so far kept, old version) and the queue
   resumes on the new weights. The engine serves the model it is given: ``update_weights`` copies
-  the new values into that model's parameters and re-reads them (the Llama/Qwen2 decoder keeps
-  the q/k/v and gate/up projections concatenated). Do not change the served model in place while requests
-  are in flight (give the engine its own copy when training runs ahead of generation); an
+  the new values into that model's parameters, and the Llama/Qwen2 decoder's q/k/v and gate/up
+  projections into its own concatenated tensors. Do not change the served model in place while
+  requests are in flight (give the engine its own copy when training runs ahead of generation); an
   in-place change takes effect at the next ``update_weights``, which may pass the model's own
-  ``state_dict()``.
+  ``state_dict()``. With ``owns_model`` (`from_config`, the inference server) the model is the
+  engine's alone: the Llama/Qwen2 decoder releases the model's q/k/v and gate/up tensors once they
+  are concatenated (meta placeholders stay), so the engine holds one copy of the weights, not
+  ~1.5 (docs/engine.md), and the model's own forward no longer runs.
 * **Errors.** Bad requests (a prompt that fills the context, ``max_tokens`` beyond it, a chat
   prompt without a chat template, an out-of-vocabulary stop token id, invalid fields) raise
   `ValueError` from that `agenerate` call only. An exception inside a step fails the requests of
@@ -83,7 +86,7 @@ from llmrl.inference.sampling import (
     sample_tokens,
 )
 from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, response
-from llmrl.inference.weight_updates import WeightUpdate, weight_update
+from llmrl.inference.weight_updates import WeightUpdate, served_tensors, weight_update
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 
@@ -134,6 +137,7 @@ class LocalEngine:
         weight_update: WeightUpdateMode = "drain",
         policy_version: int = 0,
         seed: int | None = None,
+        owns_model: bool = False,
     ):
         """
         Args:
@@ -149,6 +153,10 @@ class LocalEngine:
             policy_version: version stamped on responses until the first `update_weights`.
             seed: seeds the generator that picks a seed for each request without one (None: from
                 the OS).
+            owns_model: the model is the engine's alone, so the Llama/Qwen2 decoder may release its
+                q/k/v and gate/up tensors into the concatenated copies it keeps (one copy of the
+                weights instead of ~1.5; the model's forward and those tensors are gone for anyone
+                else). False: the model stays whole, for callers that go on using it.
         """
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
@@ -165,8 +173,9 @@ class LocalEngine:
         self.max_concurrent = max_concurrent
         self.weight_update = weight_update
         self.stats = EngineStats()
-        self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent)
         self._device = next(model.parameters()).device
+        self._served = served_tensors(model)  # what updates are checked against, before the decoder releases any
+        self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, owns_model=owns_model)
         self._eos_ids = frozenset(_default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
         self._seeds = random.Random(seed)
@@ -198,7 +207,7 @@ class LocalEngine:
                                        attn_implementation=model.attn_implementation,
                                        trust_remote_code=model.trust_remote_code)
         return cls(served, tokenizer, max_batch_tokens=config.max_batch_tokens,
-                   max_concurrent=config.max_concurrent, seed=seed)
+                   max_concurrent=config.max_concurrent, seed=seed, owns_model=True)
 
     @property
     def policy_version(self) -> int:
@@ -245,7 +254,7 @@ class LocalEngine:
         del reset
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION:
             raise ValueError(f"version must be an integer in 0..{MAX_POLICY_VERSION}, got {version!r}")
-        update = weight_update(self.model, state_dict_or_path, version)  # a whole state dict checked here
+        update = weight_update(self._served, state_dict_or_path, version)  # a whole state dict checked here
         with self._lock:
             self._updates.append(update)
             driver = self._driver
@@ -408,10 +417,9 @@ class LocalEngine:
     def _apply_updates(self) -> None:
         for update in self._updates:
             try:
-                with torch.inference_mode(False), torch.no_grad():
+                with torch.inference_mode(False):
                     for bucket in update.buckets:
-                        self.model.load_state_dict(bucket, strict=False)
-                self._decoder.refresh_weights()
+                        self._decoder.load_state_dict(bucket)
                 self._version = update.version
             except Exception as exc:  # noqa: BLE001 - reported to the caller of update_weights
                 update.error = exc

@@ -23,8 +23,10 @@ import torch
 
 from llmrl.inference.kv_cache import KVCache, list_tensor, max_positions
 from llmrl.inference.llama_forward import (
+    FusedRows,
     LlamaForward,
     SharedPrompts,
+    fused_rows,
     prompt_mask,
     read_weights,
     rotation_table,
@@ -65,9 +67,11 @@ class LlamaFamilyDecoder:
             model, "lm_head"
         )
 
-    def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM):
+    def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM,
+                 owns_model: bool = False):
         """`max_rows` caps how far row capacity doubles (rows beyond it are still served);
-        `share_from` overrides `SHARE_FROM`."""
+        `share_from` overrides `SHARE_FROM`. With `owns_model`, the model's q/k/v and gate/up
+        weights and biases are released once read into the fused tensors (`release_fused_originals`)."""
         assert self.supports(model)
         config = model.config
         self.model = model
@@ -86,10 +90,24 @@ class LlamaFamilyDecoder:
                              dtype=first.dtype, max_rows=max_rows)
         self._positions = torch.empty(0, device=self.device, dtype=torch.int64)  # 0, 1, ...: spans are its slices
         self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)  # by position
-        self.refresh_weights()
+        self.fused: dict[str, FusedRows] = fused_rows(model, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.weights = read_weights(model, self.fused)
+        self.released: frozenset[str] = frozenset()
+        """State-dict names whose only copy is in the fused tensors (the model holds meta placeholders)."""
+        if owns_model:
+            release_fused_originals(model, self.fused)
+            self.released = frozenset(self.fused)
 
-    def refresh_weights(self) -> None:
-        self.weights = read_weights(self.model, self.num_heads, self.num_kv_heads, self.head_dim)
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """q/k/v and gate/up tensors written into their rows of the fused tensors (and into the model's
+        own parameters while it holds them), every other tensor into the model, whose tensors the
+        forward reads as they are."""
+        with torch.no_grad():
+            self.model.load_state_dict({k: v for k, v in state.items() if k not in self.released}, strict=False)
+            for name, value in state.items():
+                rows = self.fused.get(name)
+                if rows is not None:
+                    rows.write(self.weights, value)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -175,3 +193,15 @@ class LlamaFamilyDecoder:
                                    cache.row_k, cache.row_v, shared)
         cache.advance()
         return logits
+
+
+def release_fused_originals(model: torch.nn.Module, fused: dict[str, FusedRows]) -> None:
+    """Replace each parameter `fused` names by a meta tensor of its shape and dtype, so that the
+    fused tensors replace the originals rather than add to them (about two thirds of each decoder
+    layer's bytes). The model's own forward no longer runs; its other tensors are kept."""
+    for name in fused:
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        original = getattr(module, kind)
+        setattr(module, kind, torch.nn.Parameter(torch.empty_like(original, device="meta"),
+                                                 requires_grad=original.requires_grad))

@@ -3,7 +3,10 @@
 Used by `LlamaFamilyDecoder` (``llama_decoder.py``), which owns the KV cache. The weights are
 read once into the layout this forward wants (`read_weights`): q/k/v and gate/up projections
 concatenated into one matmul each, the attention scale folded into the query weights, q/k rows
-reordered into pairs so that rotary embedding is one complex multiply. The residual stream is
+reordered into pairs so that rotary embedding is one complex multiply. Those fused tensors are
+new ones, the decoder's; every other weight is the model's own tensor. A new value of a q/k/v or
+gate/up tensor goes into its rows of the fused tensors through the same transform
+(`FusedRows.write`), at reading and at every weight update. The residual stream is
 kept by columns, so that the weights are the left operand of each matmul (`_column_linear` says
 why).
 
@@ -62,37 +65,81 @@ class SharedPrompts(NamedTuple):
     row_slot: torch.Tensor  # (B,)
 
 
-def read_weights(model: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> LlamaWeights:
-    """`model`'s parameters in the forward's layout (module docstring); call again after they change."""
-    inner = model.model
+class FusedRows(NamedTuple):
+    """Where one q/k/v/gate/up weight or bias of the model sits in the fused tensors: rows
+    ``start:stop`` of ``layers[layer].<field>``, its rows interleaved per head (`heads`, q and k)
+    and times `scale` (q)."""
+
+    layer: int
+    field: str
+    start: int
+    stop: int
+    heads: int | None = None
+    scale: float | None = None
+
+    def write(self, weights: LlamaWeights, value: torch.Tensor) -> None:
+        """Copy the model tensor `value` into its rows of `weights`, in the forward's layout.
+
+        Converted to the fused tensor's dtype first, then interleaved and scaled in that dtype: the
+        rows hold what the model's own parameter of `value` would give.
+        """
+        target = getattr(weights.layers[self.layer], self.field)
+        value = value.to(device=target.device, dtype=target.dtype)
+        if self.heads is not None:
+            value = _interleave_pairs(value, self.heads)
+        if self.scale is not None:
+            value = value * self.scale
+        target[self.start : self.stop].copy_(value)
+
+
+def fused_rows(model: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> dict[str, FusedRows]:
+    """Each q/k/v/gate/up weight and bias of `model`, by state-dict name, and its rows in the fused tensors."""
+    names = {module: name for name, module in model.named_modules()}
+    # Queries carry the attention scale (1/sqrt(D)), so scores need no scaling op.
     scale = head_dim**-0.5
+    rows: dict[str, FusedRows] = {}
+    for index, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for fused, parts in (("qkv", ((attn.q_proj, heads, scale), (attn.k_proj, kv_heads, None),
+                                      (attn.v_proj, None, None))),
+                             ("gate_up", ((mlp.gate_proj, None, None), (mlp.up_proj, None, None)))):
+            start = 0
+            for linear, interleaved_heads, part_scale in parts:
+                stop = start + linear.out_features
+                for kind in ("weight", "bias"):
+                    if getattr(linear, kind) is not None:
+                        rows[f"{names[linear]}.{kind}"] = FusedRows(index, f"{fused}_{kind}", start, stop,
+                                                                    interleaved_heads, part_scale)
+                start = stop
+    return rows
+
+
+def read_weights(model: torch.nn.Module, fused: dict[str, FusedRows]) -> LlamaWeights:
+    """`model`'s parameters in the forward's layout (module docstring): its own tensors, and new
+    fused q/k/v and gate/up tensors filled from the parameters `fused` (`fused_rows`) names."""
+    inner = model.model
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv_weight=_fused_weight(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv_bias=_fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+            o_weight=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up_weight=_fused_weight(mlp.gate_proj, mlp.up_proj),
+            gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
+            down_weight=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+        ))
+    weights = LlamaWeights(inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight, model.lm_head.bias,
+                           tuple(layers))
+    parameters = dict(model.named_parameters())
     with torch.no_grad():
-        layers = []
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            # Queries carry the attention scale (1/sqrt(D)), so scores need no scaling op.
-            q_weight = _interleave_pairs(attn.q_proj.weight, heads) * scale
-            k_weight = _interleave_pairs(attn.k_proj.weight, kv_heads)
-            bias = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
-            if bias is not None:
-                q_size, k_size = attn.q_proj.out_features, attn.k_proj.out_features
-                bias = torch.cat([_interleave_pairs(bias[:q_size], heads) * scale,
-                                  _interleave_pairs(bias[q_size : q_size + k_size], kv_heads),
-                                  bias[q_size + k_size :]])
-            layers.append(LayerWeights(
-                input_norm=layer.input_layernorm.weight,
-                qkv_weight=torch.cat([q_weight, k_weight, attn.v_proj.weight]),
-                qkv_bias=bias,
-                o_weight=attn.o_proj.weight,
-                o_bias=attn.o_proj.bias,
-                post_norm=layer.post_attention_layernorm.weight,
-                gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                down_weight=mlp.down_proj.weight,
-                down_bias=mlp.down_proj.bias,
-            ))
-    return LlamaWeights(inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight, model.lm_head.bias,
-                        tuple(layers))
+        for name, rows in fused.items():
+            rows.write(weights, parameters[name])
+    return weights
 
 
 def rotation_table(model: torch.nn.Module, length: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -106,10 +153,17 @@ def rotation_table(model: torch.nn.Module, length: int, head_dim: int, device: t
     return torch.complex(cos[0, :, : head_dim // 2].float(), sin[0, :, : head_dim // 2].float())
 
 
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+def _fused_weight(*linears: torch.nn.Linear) -> torch.Tensor:
+    """Room for the weights of `linears` stacked by rows (filled by `FusedRows.write`)."""
+    first = linears[0].weight
+    return first.new_empty(sum(lin.out_features for lin in linears), first.shape[1])
+
+
+def _fused_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    """Room for the biases of `linears` stacked, zeros where one has none; None when none has one."""
     if all(lin.bias is None for lin in linears):
         return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
+    return linears[0].weight.new_zeros(sum(lin.out_features for lin in linears))
 
 
 def _interleave_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -121,7 +175,7 @@ def _interleave_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """
     dim = weight.shape[0] // heads
     order = torch.arange(dim, device=weight.device).view(2, dim // 2).t().reshape(dim)  # 0, D/2, 1, D/2+1, ...
-    return weight.view(heads, dim, *weight.shape[1:])[:, order].reshape(weight.shape)
+    return weight.reshape(heads, dim, *weight.shape[1:])[:, order].reshape(weight.shape)
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

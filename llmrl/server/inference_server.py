@@ -406,7 +406,8 @@ def serve_inference(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
     engine = LocalEngine(
-        model, tokenizer, max_batch_tokens=max_batch_tokens, max_concurrent=max_concurrent, seed=seed
+        model, tokenizer, max_batch_tokens=max_batch_tokens, max_concurrent=max_concurrent, seed=seed,
+        owns_model=True,
     )
     app = create_inference_app(
         engine, model_name=model_spec, api_key=resolve_api_key(api_key), weights_dir=weights_dir

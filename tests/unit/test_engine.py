@@ -363,6 +363,75 @@ def test_update_weights_rejects_bad_state_dicts(qwen2, tokenizer, tmp_path):
     assert engine.policy_version == 0
 
 
+def _weight_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (meta placeholders hold none)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None and not t.is_meta}
+    return sum(storages.values())
+
+
+def _engine_weight_bytes(engine: LocalEngine) -> int:
+    """The engine's resident weights: its model's tensors and its decoder's fused ones."""
+    tensors = list(engine.model.state_dict().values())
+    if isinstance(engine._decoder, LlamaFamilyDecoder):
+        weights = engine._decoder.weights
+        tensors += [weights.embed, weights.final_norm, weights.lm_head, weights.lm_head_bias,
+                    *(t for layer in weights.layers for t in layer)]
+    return _weight_bytes(tensors)
+
+
+def _decoder_logits(engine: LocalEngine) -> torch.Tensor:
+    """Logits of a prefill of two prompts (one shared by 3 rows) and of the decode step after it."""
+    decoder = engine._decoder
+    with torch.inference_mode():
+        prefill = decoder.prefill([[5, 6, 7, 8, 9, 10], [11, 12]], [3, 1])
+        step = decoder.decode(torch.tensor([13, 14, 15, 16]))
+        decoder.reset()
+    return torch.cat([prefill, step])
+
+
+@pytest.mark.parametrize("family", ["tiny", "qwen2", "llama", "gpt2"])
+def test_an_engine_that_owns_its_model_holds_one_copy_of_its_weights(family, tokenizer, request):
+    if family == "tiny":
+        original, tokenizer = request.getfixturevalue("tiny_model")
+    else:
+        original = _build(family, len(tokenizer))
+    one_copy = _weight_bytes(original.state_dict().values())
+    assert _engine_weight_bytes(LocalEngine(copy.deepcopy(original), tokenizer)) > one_copy * (
+        family != "gpt2")  # a model the caller keeps: the fused copies come on top of it
+    engine = LocalEngine(copy.deepcopy(original), tokenizer, owns_model=True)
+    assert _engine_weight_bytes(engine) == one_copy
+    released = {name for name, tensor in engine.model.state_dict().items() if tensor.is_meta}
+    assert released == (set() if family == "gpt2" else set(engine._decoder.fused))
+
+    new_model = copy.deepcopy(original)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    engine.update_weights({k: v for k, v in new_model.state_dict().items() if k not in tied_duplicates(new_model)},
+                          version=1)
+    torch.testing.assert_close(_decoder_logits(engine), _decoder_logits(LocalEngine(copy.deepcopy(new_model),
+                                                                                    tokenizer)), rtol=0, atol=1e-6)
+
+    # A part of one layer, streamed in buckets: the q projection (and its bias where there is one)
+    # and the gate projection; every other tensor keeps the full update's values.
+    layer = "transformer.h.1.attn.c_attn" if family == "gpt2" else "model.layers.1.self_attn.q_proj"
+    gate = "transformer.h.1.mlp.c_fc" if family == "gpt2" else "model.layers.1.mlp.gate_proj"
+    part = {k: v * 1.5 for k, v in new_model.state_dict().items() if k.startswith((layer + ".", gate + "."))}
+    assert any(k.endswith(".bias") for k in part)
+    engine.update_weights(iter([{k: v} for k, v in part.items()]), version=2)
+    new_model.load_state_dict(part, strict=False)
+    torch.testing.assert_close(_decoder_logits(engine), _decoder_logits(LocalEngine(copy.deepcopy(new_model),
+                                                                                    tokenizer)), rtol=0, atol=1e-6)
+    assert _engine_weight_bytes(engine) == one_copy
+
+    # Updates are still checked against the released tensors' shapes.
+    with pytest.raises(ValueError, match="has shape"):
+        engine.update_weights({layer + ".weight": torch.zeros(3)}, version=3)
+    assert engine.policy_version == 2
+
+
 def _long_request(max_tokens: int = 100, prompt: str = "the quick brown fox") -> InferenceRequest:
     return InferenceRequest(prompt=prompt, generation_args=GenerationArgs(max_tokens=max_tokens, seed=0))
 
