@@ -60,7 +60,8 @@ def worker(result_file: Path, train_args: list[str]) -> None:
     def build_noting_the_peak(self: Trainer, *args: object) -> None:
         build(self, *args)
         figures["peak_built_mb"] = status_mb("VmHWM")
-        figures["plan_mb"] = self.memory_plan.total(rank0=self.is_main) / MB
+        plan = getattr(self, "memory_plan", None)  # absent in llmrl before the memory plan (--llmrl)
+        figures["plan_mb"] = plan.total(rank0=self.is_main) / MB if plan else float("nan")
 
     def save_noting_the_peak(self: Trainer) -> None:
         figures.setdefault("peak_before_checkpoint_mb", status_mb("VmHWM"))

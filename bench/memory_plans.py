@@ -92,7 +92,6 @@ def settings_of(config: RunConfig, world_size: int) -> MemorySettings:
         activation_checkpointing=config.training.activation_checkpointing,
         reference_model=config.algorithm.kl_beta > 0,
         engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
-        sync_bucket_bytes=config.inference.weight_sync_bucket_mb << 20,
     )  # fmt: skip
 
 

@@ -4,8 +4,8 @@
 moments (all sharded over the ranks under torchrun), the compute-dtype copies the passes use
 (autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
-cache, and, on CPU under torchrun, the weight-sync bucket rank 0 gathers (on a GPU it is gathered
-into host memory). The trainer refuses to start when the plan exceeds the device's memory, naming
+cache, and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
+GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the device's memory, naming
 the settings that would fit (`MemoryPlan.check`).
 
 Activations are an estimate for decoder-only transformers: per token and layer, what autograd keeps
@@ -86,8 +86,6 @@ class MemorySettings:
     reference_model: bool
     engine_tokens: int | None
     """KV-cache tokens of the embedded engine on rank 0; None when inference is elsewhere."""
-    sync_bucket_bytes: int = 512 << 20
-    """Most bytes of one gathered weight-sync bucket (`inference.weight_sync_bucket_mb`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +113,9 @@ class MemoryPlan:
         terms["activations"] = self._activations()
         if rank0 and s.engine_tokens is not None:
             terms["engine"] = shape.parameters * compute + 2 * s.engine_tokens * shape.layers * shape.kv_channels * compute
-        if rank0 and s.world_size > 1 and self.device == "cpu":  # on a GPU the buckets are gathered to the host
-            terms["weight sync"] = min(s.sync_bucket_bytes, shape.parameters * compute)
+        if rank0 and s.world_size > 1 and self.device == "cpu":  # on a GPU they are gathered into host memory
+            # a checkpoint's Hugging Face folder gathers every bucket; a weight sync holds one at a time
+            terms["gathered weights"] = shape.parameters * compute
         if self.device == "cpu":
             terms["process"] = self.baseline_bytes
         return {name: int(value) for name, value in terms.items()}

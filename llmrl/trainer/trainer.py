@@ -177,7 +177,6 @@ class Trainer:
             activation_checkpointing=config.training.activation_checkpointing,
             reference_model=config.algorithm.kl_beta > 0,
             engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
-            sync_bucket_bytes=config.inference.weight_sync_bucket_mb << 20,
         )  # fmt: skip
         shapes, _ = load_model(config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code)
         return plan_memory(shapes, settings, device)
