@@ -1,59 +1,31 @@
 """LocalEngine: the embedded inference engine (continuous batching, shared prefixes, exact logprobs).
 
-Generation dominates the cost of RL post-training, so the engine is built around one loop that
-keeps a single decode batch as full as it can:
+docs/engine.md explains the design and its measurements; in short:
 
-* **Continuous batching.** `agenerate` calls from any thread or event loop put requests in a
-  queue; one batch is stepped by a task on the event loop of a caller (a thread only as a
-  fallback; "driving the batch" below says why). Between two decode steps, finished sequences
-  leave the batch (their request resolves as soon as its last sample ends) and waiting requests
-  enter it, so no sequence waits for the longest one of its batch. Admission is first come, first
-  served, while the running rows stay within ``max_concurrent`` and their KV-cache tokens (each
-  prompt once, plus the tokens generated so far) within ``max_batch_tokens``; a request is
-  admitted whole, and always when the batch is empty, so an oversized request runs alone rather
-  than never. Sequences already running are never preempted: the budget bounds admission, not
-  growth. When the batch is full and requests queue, those that fit join in bunches of at least
-  a quarter of ``max_concurrent`` rows (or after waiting 16 steps): a prefill of a few prompts
-  costs about a decode step of the whole batch, and admitting each row the moment one leaves
-  put a prefill in a fifth of long-tail's steps (``ADMIT_AT_LEAST``, ``ADMISSION_WAIT``;
-  measured in docs/engine.md).
-* **Shared prefixes.** The ``n`` samples of one request (a GRPO group) prefill the prompt once. A
-  long prompt with many samples keeps one copy of its keys and values that all ``n`` rows attend
-  to; a short one is copied into each row, which is cheaper to attend to (``decoder.py`` and
-  the modules it names: the KV cache, the crossover, and why the Llama/Qwen2 family runs on
-  plain torch ops; other architectures fall back to the model's own forward with a transformers
-  cache).
-* **Prompts** (``prompts.py``): strings tokenized as is, chat messages through the chat template
-  (with the request's ``chat_template_kwargs``); ``prompt_token_ids`` (multi-turn) come first,
-  the prompt appended as the next turn.
-* **Sampling** (``sampling.py``): temperature (0 = greedy), min-p, top-k, top-p, one batched draw
-  per step; repetition and presence penalties and `min_tokens` on the rows that ask for them. Each sample has its own random stream seeded from ``(seed, sample index)``, so a seeded
-  request gives the same tokens alone or beside others, and sample 0 of ``n`` equals the ``n=1``
-  request with that seed. Unseeded requests draw a seed from the engine's generator (``seed``).
-* **Stops** (``sequences.py``): ``finish_reason="stop"`` at a stop token id, an eos token or a stop
-  string, else ``"length"`` after ``max_tokens``.
-* **Logprobs**: one per completion token, in float32, of the distribution the token was drawn
-  from: ``log_softmax(logits / T)[token]``, renormalised over the tokens min-p/top-k/top-p keep,
-  of the penalised logits when penalties are on; greedy requests report the temperature-1 logprob.
-* **Weight updates** (read and checked in ``weight_updates.py``) happen between decode steps,
-  never under a running forward.
-  ``weight_update="drain"`` (default): admission pauses, in-flight sequences finish on the old
-  weights (responses keep the old ``policy_version``), then the new weights load and the queue
-  resumes; ``update_weights`` returns once they serve. ``"abort"``: in-flight sequences end at
-  once with ``finish_reason="abort"`` (their tokens so far kept, old version) and the queue
-  resumes on the new weights. The engine serves the model it is given: ``update_weights`` copies
-  the new values into that model's parameters, and the Llama/Qwen2 decoder's q/k/v and gate/up
-  projections into its own concatenated tensors. Do not change the served model in place while
-  requests are in flight (give the engine its own copy when training runs ahead of generation); an
-  in-place change takes effect at the next ``update_weights``, which may pass the model's own
-  ``state_dict()``. With ``owns_model`` (`from_config`, the inference server) the model is the
-  engine's alone: the Llama/Qwen2 decoder releases the model's q/k/v and gate/up tensors once they
-  are concatenated (meta placeholders stay), so the engine holds one copy of the weights, not
-  ~1.5 (docs/engine.md), and the model's own forward no longer runs.
-* **Errors.** Bad requests (a prompt that fills the context, ``max_tokens`` beyond it, a chat
-  prompt without a chat template, an out-of-vocabulary stop token id, invalid fields) raise
-  `ValueError` from that `agenerate` call only. An exception inside a step fails the requests of
-  that batch with it, resets the cache, and the engine goes on serving.
+* **Continuous batching.** `agenerate` calls from any thread or event loop queue requests; one batch
+  is stepped by a task on a caller's event loop (a thread only as a fallback: "driving the batch"
+  below). Between decode steps finished sequences leave and waiting requests join, first come first
+  served, within ``max_concurrent`` rows and ``max_batch_tokens`` of KV cache (each prompt once plus
+  the generated tokens); a request is admitted whole, alone if it must. Running sequences are never
+  preempted. When the batch is full, queued requests join in bunches (``ADMIT_AT_LEAST``, or after
+  ``ADMISSION_WAIT`` steps): a prefill of a few prompts costs about a decode step of the batch.
+* **Shared prefixes.** The ``n`` samples of a request prefill its prompt once (``decoder.py`` and the
+  modules it names: KV cache, Llama/Qwen2 forward in plain torch ops, the generic fallback).
+* **Prompts** (``prompts.py``), **sampling** (``sampling.py``: per-sample random streams seeded from
+  ``(seed, sample index)``, so a seeded request gives the same tokens alone or beside others),
+  **stops and responses** (``sequences.py``), **new weights** (read and checked in
+  ``weight_updates.py``).
+* **Logprobs**: one per completion token, in float32, of the distribution the token was drawn from
+  (after temperature, filters and penalties; greedy requests report the temperature-1 logprob).
+* **Weight updates** happen between decode steps. ``weight_update="drain"``: admission pauses,
+  in-flight sequences finish on the old weights (and version), then the new weights load;
+  ``"abort"``: in-flight sequences end at once with ``finish_reason="abort"``. The engine serves the
+  model it is given and copies new values into it (and into the Llama/Qwen2 decoder's concatenated
+  q/k/v and gate/up tensors); do not change that model in place while requests run. With
+  ``owns_model`` (`from_config`, the inference server) the decoder releases the model's q/k/v and
+  gate/up tensors once concatenated, so the engine holds one copy of the weights.
+* **Errors.** Bad requests raise `ValueError` from their own `agenerate` call; an exception inside a
+  step fails that batch's requests, resets the cache, and the engine goes on serving.
 
 The engine runs on the device of the model's parameters (CPU or CUDA).
 """
@@ -81,11 +53,10 @@ from llmrl.inference.sampling import (
     MAX_UNIFORM,
     RowSampling,
     adjusts_logits,
-    penalize,
     row_sampling,
     sample_tokens,
 )
-from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, response
+from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, penalized, response
 from llmrl.inference.weight_updates import WeightUpdate, served_tensors, weight_update
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
@@ -453,7 +424,7 @@ class LocalEngine:
         uniforms = list_tensor([draw() for draw in self._draws], torch.float32, self._device).clamp_(max=MAX_UNIFORM)
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
         if self._adjusted:
-            logits = self._penalized(logits)
+            logits = penalized(logits, self._running, self._adjusted)
         tokens, logprobs = sample_tokens(logits, self._rows, uniforms)
         self._last_tokens = tokens
         finished = []
@@ -471,25 +442,6 @@ class LocalEngine:
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self._decoder.cache_bytes)
         if finished:
             self._remove_rows(finished)
-
-    def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` (B, V) with the penalties and `min_tokens` bans of the rows in `_adjusted` applied."""
-        rows = [self._running[row] for row in self._adjusted]
-        args = [seq.request.args for seq in rows]
-        banned = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=self._device)
-        for i, seq in enumerate(rows):
-            if len(seq.tokens) < seq.request.args.min_tokens and seq.request.stop_ids:
-                banned[i, list(seq.request.stop_ids)] = True
-        index = list_tensor(self._adjusted, torch.int64, self._device)
-        adjusted = penalize(
-            logits[index],
-            torch.stack([seq.seen for seq in rows]),
-            torch.stack([seq.seen_in_completion for seq in rows]),
-            list_tensor([a.repetition_penalty for a in args], torch.float32, self._device)[:, None],
-            list_tensor([a.presence_penalty for a in args], torch.float32, self._device)[:, None],
-            banned,
-        )
-        return logits.float().index_copy(0, index, adjusted)
 
     def _start(self, request: PendingRequest) -> None:
         """Create the request's sequences (rows were appended by the decoder's prefill)."""

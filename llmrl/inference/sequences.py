@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from tokenizers.decoders import DecodeStream
 
+from llmrl.inference.kv_cache import list_tensor
+from llmrl.inference.sampling import penalize
 from llmrl.types import FinishReason, GenerationArgs, InferenceResponse
 
 
@@ -93,3 +95,25 @@ def response(seq: RunningSequence, tokenizer: Any) -> InferenceResponse:
         finish_reason=seq.finish_reason,
         policy_version=request.policy_version,
     )
+
+
+def penalized(logits: torch.Tensor, running: list[RunningSequence], adjusted: list[int]) -> torch.Tensor:
+    """`logits` (B, V) of the `running` rows, with the penalties and `min_tokens` bans of the rows at
+    `adjusted` applied (float32)."""
+    rows = [running[row] for row in adjusted]
+    args = [seq.request.args for seq in rows]
+    device = logits.device
+    banned = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=device)
+    for i, seq in enumerate(rows):
+        if len(seq.tokens) < seq.request.args.min_tokens and seq.request.stop_ids:
+            banned[i, list(seq.request.stop_ids)] = True
+    index = list_tensor(adjusted, torch.int64, device)
+    changed = penalize(
+        logits[index],
+        torch.stack([seq.seen for seq in rows]),
+        torch.stack([seq.seen_in_completion for seq in rows]),
+        list_tensor([a.repetition_penalty for a in args], torch.float32, device)[:, None],
+        list_tensor([a.presence_penalty for a in args], torch.float32, device)[:, None],
+        banned,
+    )
+    return logits.float().index_copy(0, index, changed)
