@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,9 @@ import httpx
 import torch
 import transformers
 
+from llmrl.http_client import free_port
 from llmrl.inference.openai import OpenAIInterface
 from llmrl.models import tiny_model_path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -8,3 +8,7 @@ keeps its traceback. It is a `ValueError`, so callers of the Python API may catc
 class UserError(ValueError):
     """What the user gave llmrl is wrong (a config field, a plug-in name, a model spec, a data file); the
     message says what."""
+
+
+class ModelSpecError(UserError):
+    """A model spec names nothing llmrl can load, or a model llmrl cannot train and serve alike."""

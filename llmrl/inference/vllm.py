@@ -41,7 +41,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -57,7 +56,7 @@ import httpx
 import torch
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
-from llmrl.http_client import HTTPRequestError, RetryPolicy, send
+from llmrl.http_client import HTTPRequestError, RetryPolicy, free_port, send
 from llmrl.inference.interface import Weights, run_blocking, run_in_new_loop, run_sync, weight_buckets
 from llmrl.inference.openai import (
     InferenceServerError,
@@ -259,12 +258,6 @@ def _kill_session_leftovers(session_id: int) -> None:
 
 
 atexit.register(VLLMServer.stop_all)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 # -- weights ------------------------------------------------------------------------------------

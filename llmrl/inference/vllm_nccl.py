@@ -26,9 +26,9 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
+from llmrl.http_client import free_port
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.inference.openai import WeightSyncError
-from llmrl.inference.vllm import free_port
 
 if TYPE_CHECKING:
     from llmrl.inference.vllm import VLLMInterface, _Endpoint

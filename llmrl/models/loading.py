@@ -22,17 +22,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from llmrl.errors import UserError
+from llmrl.errors import ModelSpecError, UserError
 
 TINY_SCHEME = "tiny://"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # `name` or `owner/name` with the characters the hub allows; anything else can only be a path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
-
-
-class ModelSpecError(UserError):
-    """A model spec names nothing llmrl can load, or a model llmrl cannot train and serve alike."""
 
 
 def _is_plausible_hub_id(spec: str) -> bool:

@@ -45,7 +45,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.cache import cache_root
-from llmrl.models.loading import ModelSpecError
+from llmrl.errors import ModelSpecError
 from llmrl.tasks.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
 
 RECIPE_VERSION = 1

@@ -6,11 +6,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import yaml
-from servers import free_port, serving
+from servers import serving
 
 from llmrl.agents import PassAtKAgent
 from llmrl.agents.remote import RemoteAgent
 from llmrl.envs.arithmetic import ArithmeticAgent
+from llmrl.http_client import free_port
 from llmrl.types import GenerationArgs
 
 pytestmark = pytest.mark.slow
