@@ -65,3 +65,16 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr("llmrl.cli.dump_config", broken)
     with pytest.raises(ValueError, match="an invariant of ours broke"):
         main(["config", "show"])
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_weights_load(tmp_path, capsys, tiny_model_path):
+    """The memory plan: a micro-batch far beyond the machine's memory stops `llmrl train` with the
+    plan and what would fit, and nothing is written to the run folder."""
+    run_dir = tmp_path / "run"
+    code = main(["train", "--set", f"run_dir={run_dir}", "--set", "training.micro_batch_tokens=100000000",
+                 "--set", "training.pack_row_tokens=512", "--set", "logging.progress=off"])  # fmt: skip
+    assert code == EXIT_USAGE
+    error = capsys.readouterr().err
+    assert "per rank but cpu has" in error and "activations" in error
+    assert "training.micro_batch_tokens:" in error  # the largest that fits
+    assert not run_dir.exists()
