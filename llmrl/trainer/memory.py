@@ -215,14 +215,15 @@ def plan_memory(model: torch.nn.Module, settings: MemorySettings, device: str) -
 
 
 def device_memory(device: str) -> int:
-    """Bytes of memory of `device`: this process's GPU, or the machine's RAM (its cgroup's limit when lower)."""
+    """Bytes of memory of `device` for this process: its GPU, or its share of the machine's RAM (its
+    cgroup's limit when lower), which the processes torchrun started on this machine share."""
     if device == "cuda":
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = Path("/sys/fs/cgroup/memory.max")
     if limit.is_file() and limit.read_text().strip().isdigit():
-        return min(physical, int(limit.read_text()))
-    return physical
+        physical = min(physical, int(limit.read_text()))
+    return physical // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def resident_bytes() -> int:

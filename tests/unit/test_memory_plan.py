@@ -9,7 +9,15 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.config import ConfigError
-from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, ModelShape, PeakMemory, plan_memory
+from llmrl.trainer.memory import (
+    GB,
+    MemoryPlan,
+    MemorySettings,
+    ModelShape,
+    PeakMemory,
+    device_memory,
+    plan_memory,
+)
 
 
 def meta_model(tied: bool = False) -> Qwen2ForCausalLM:
@@ -102,3 +110,9 @@ def test_peak_memory_sees_a_large_allocation_and_starts_a_new_period():
     block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
     del block
     assert peak.take() >= baseline + 0.05
+
+
+def test_processes_on_one_machine_share_its_memory_on_cpu(monkeypatch):
+    whole = device_memory("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert device_memory("cpu") == whole // 4
