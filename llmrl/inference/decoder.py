@@ -16,6 +16,7 @@ protocol, `build_decoder`, which picks one, and the generic fallback:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,6 +87,9 @@ class HFDecoder:
         self.vocab_size = model.get_output_embeddings().out_features
         self.max_positions = max_positions(model.config)
         self.groups: list[_Group] = []
+        # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40); remote-code
+        # models may keep the old one.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @property
     def num_rows(self) -> int:
@@ -115,8 +119,8 @@ class HFDecoder:
         logits = []
         for prompt, count in zip(prompts, copies, strict=True):
             ids = torch.tensor([prompt], device=self.device)
-            out = self.model(input_ids=ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True)
-            cache = out.past_key_values
+            cache = DynamicCache(config=self.model.config)  # filled in place by the forward
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_argument: cache})
             if count > 1:
                 cache.batch_repeat_interleave(count)
             self.groups.append(_Group(cache, count))
@@ -127,7 +131,7 @@ class HFDecoder:
         logits, start = [], 0
         for group in self.groups:
             ids = tokens[start : start + group.rows, None]  # (n, 1)
-            out = self.model(input_ids=ids, past_key_values=group.cache, use_cache=True)
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_argument: group.cache})
             logits.append(out.logits[:, -1])
             start += group.rows
         return torch.cat(logits)
