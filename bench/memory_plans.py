@@ -103,11 +103,8 @@ def plan_of(layout: Layout) -> tuple[RunConfig, MemoryPlan]:
 
 def rank0_extras(config: RunConfig, plan: MemoryPlan) -> tuple[float, float]:
     """GB of rank 0's transient load into host memory, and of the copy of the weights its host keeps for syncs."""
-    def bytes_per_parameter(dtype: str) -> int:
-        return torch.finfo(DTYPES[dtype]).bits // 8
-
-    load = plan.shape.parameters * bytes_per_parameter(config.training.master_dtype)
-    return load / GB, plan.shape.parameters * bytes_per_parameter(config.model.dtype) / GB
+    load = plan.shape.parameters * DTYPES[config.training.master_dtype].itemsize
+    return load / GB, plan.shape.parameters * DTYPES[config.model.dtype].itemsize / GB
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ from llmrl.algorithms.logprobs import CHUNK_ELEMENTS
 from llmrl.config import ConfigError
 
 GB = 1e9
-_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,7 @@ class MemoryPlan:
 
     def terms(self, *, rank0: bool) -> dict[str, int]:
         shape, s = self.shape, self.settings
-        master, compute = _BYTES[s.master_dtype], _BYTES[s.compute_dtype]
+        master, compute = s.master_dtype.itemsize, s.compute_dtype.itemsize
         shards = shape.parameters / s.world_size
         terms = {"parameters": shards * master, "gradients": shards * master, "optimizer": 2 * shards * master}
         if s.world_size > 1:  # the root's parameters stay gathered; two blocks at a time with prefetch
@@ -122,7 +121,7 @@ class MemoryPlan:
 
     def _activations(self) -> float:
         shape, s = self.shape, self.settings
-        compute = _BYTES[s.compute_dtype]
+        compute = s.compute_dtype.itemsize
         tokens = s.micro_batch_tokens
         per_layer = tokens * (compute * (5 * shape.hidden + 2 * shape.kv_channels + 3 * shape.intermediate)
                               + 4 * 2 * shape.hidden)
