@@ -128,6 +128,7 @@ class EnvironmentConfig(Section):
 
 # The allowed values of the algorithm's options, declared once: the fields below and `llmrl.algorithms` use them.
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+StdScope = Literal["group", "batch"]
 RatioLevel = Literal["token", "sequence"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -139,6 +140,12 @@ class AlgorithmConfig(Section):
     """Baseline of each group: GRPO (mean, std-normalised), Dr. GRPO (mean only) or RLOO."""
     batch_std_normalize: bool = False
     """Divide advantages by the std over the whole batch (REINFORCE++ style)."""
+    advantage_std_scope: StdScope = "group"
+    """Rewards whose std divides `grpo` advantages: the group's (GRPO), or every valid reward of the step (TRL's scale_rewards: batch)."""
+    advantage_std_ddof: int = Field(0, ge=0, le=1)
+    """Degrees of freedom of every advantage std: 0 the population std (GRPO paper), 1 the sample std (TRL)."""
+    advantage_eps: float = Field(1e-6, ge=0.0)
+    """Added to every advantage std before dividing by it (TRL: 1e-4)."""
     clip_low: float = Field(0.2, ge=0.0)
     """Lower PPO clip range: ratios below 1 - clip_low are clipped."""
     clip_high: float = Field(0.28, ge=0.0)

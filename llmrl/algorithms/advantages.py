@@ -14,9 +14,16 @@ answer prompt ``g``). For rollout ``i`` of a group with valid rewards ``r_1..r_n
   ``= n / (n - 1) * (r_i - mean(r))``. The baseline does not depend on ``r_i``, so the estimate is
   unbiased.
 
-``batch_std_normalize`` (REINFORCE++, Hu 2025, arXiv:2501.03262) then divides every advantage by the
-std of the advantages over the whole batch, which keeps the update scale steady when rewards are
-sparse, without the per-group std's difficulty bias.
+``std_scope="batch"`` keeps each group's mean as the baseline of ``grpo`` but divides by the std of
+every valid reward of the batch instead of the group's (group mean, batch std: "Lite PPO", Liu et al.
+2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", arXiv:2508.08221; TRL's
+``scale_rewards="batch"``). ``batch_std_normalize`` (REINFORCE++, Hu 2025, arXiv:2501.03262) then
+divides every advantage by the std of the advantages over the whole batch, which keeps the update
+scale steady when rewards are sparse, without the per-group std's difficulty bias.
+
+Every std divides ``sum (x - mean)^2`` by ``n - ddof`` (``ddof=0``: the population std of the GRPO
+paper; ``ddof=1``: the sample std that TRL uses, with ``eps=1e-4``) and has `eps` added before it
+divides.
 
 Invalid rollouts (``valid`` False: placeholders or failed environments) take no part in any mean or
 std and get advantage 0, so they add nothing to the policy gradient. A group whose valid rewards are
@@ -30,9 +37,10 @@ from typing import get_args
 
 import torch
 
-from llmrl.config import AdvantageEstimator
+from llmrl.config import AdvantageEstimator, StdScope
 
 ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+STD_SCOPES: tuple[str, ...] = get_args(StdScope)
 
 
 def group_advantages(
@@ -42,6 +50,8 @@ def group_advantages(
     valid: torch.Tensor | Sequence[bool] | None = None,
     *,
     batch_std_normalize: bool = False,
+    std_scope: StdScope = "group",
+    ddof: int = 0,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Advantages ``[N]`` for rewards ``[N]`` laid out as consecutive groups of `group_size`.
@@ -52,6 +62,8 @@ def group_advantages(
         estimator: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"`` (see the module docstring).
         valid: optional bool per rollout; False rollouts are left out of the statistics and get 0.
         batch_std_normalize: divide by the std of all valid advantages in the batch (REINFORCE++).
+        std_scope: the rewards whose std divides ``grpo`` advantages: ``"group"`` or ``"batch"``.
+        ddof: subtracted from the count in every std (0: population std, 1: sample std).
         eps: added to every std before dividing.
 
     Returns a floating tensor shaped like `rewards` (float32 unless `rewards` is a floating tensor).
@@ -67,6 +79,10 @@ def group_advantages(
         raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if std_scope not in STD_SCOPES:
+        raise ValueError(f"std_scope must be one of {STD_SCOPES}, got {std_scope!r}")
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if valid is None:
@@ -82,7 +98,10 @@ def group_advantages(
     mean = (r * v).sum(dim=1, keepdim=True) / count.clamp(min=1)
     centered = (r - mean) * v
     if estimator == "grpo":
-        std = ((centered**2).sum(dim=1, keepdim=True) / count.clamp(min=1)).sqrt()
+        if std_scope == "group":
+            std = ((centered**2).sum(dim=1, keepdim=True) / (count - ddof).clamp(min=1)).sqrt()
+        else:
+            std = _std(rewards[valid], ddof)
         advantages = centered / (std + eps)
     elif estimator == "dr_grpo":
         advantages = centered
@@ -101,5 +120,12 @@ def group_advantages(
     if batch_std_normalize:
         valid_advantages = advantages[valid]
         if valid_advantages.numel() > 1:
-            advantages = advantages / (valid_advantages.std(unbiased=False) + eps)
+            advantages = advantages / (_std(valid_advantages, ddof) + eps)
     return advantages
+
+
+def _std(values: torch.Tensor, ddof: int) -> torch.Tensor:
+    """The std of a 1-D tensor with ``n - ddof`` as divisor (0 for fewer than two values)."""
+    if values.numel() < 2:
+        return values.new_zeros(())
+    return values.std(correction=ddof)

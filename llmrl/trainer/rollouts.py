@@ -126,7 +126,8 @@ def prepare_batch(
         rewards = rewards + torch.where(valid, penalty, 0.0)
     advantages = group_advantages(
         rewards, group_size, algorithm.advantage_estimator, valid,
-        batch_std_normalize=algorithm.batch_std_normalize,
+        batch_std_normalize=algorithm.batch_std_normalize, std_scope=algorithm.advantage_std_scope,
+        ddof=algorithm.advantage_std_ddof, eps=algorithm.advantage_eps,
     )  # fmt: skip
     in_loss = [
         i
