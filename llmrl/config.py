@@ -162,6 +162,8 @@ class AlgorithmConfig(Section):
     """Weight of the KL penalty to the reference policy; 0 skips the reference model entirely."""
     kl_estimator: KLEstimator = "k3"
     """Estimator of KL(policy || reference) per token (Schulman's k1/k2/k3)."""
+    kl_ratio_weighted: bool = False
+    """Multiply each token's KL by the importance ratio, which makes its gradient the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus."""
     is_mode: Literal["auto", ISMode, "off"] = "auto"

@@ -24,6 +24,10 @@ the loss to *minimise* is::
       k2 = (log rho)^2 / 2          biased, low variance
       k3 = (rho - 1) - log rho      unbiased, low variance, always >= 0 (GRPO, DeepSeekMath eq. 4)
 
+  The samples come from ``pi_old``, not ``pi``, so the gradient of ``KL_t`` alone is not that of the
+  KL: ``kl_ratio_weighted`` uses ``r * KL_t`` instead, whose gradient is the unbiased reverse-KL
+  gradient even on-policy, where ``r`` is 1 but its gradient is not (DeepSeek-AI 2025,
+  "DeepSeek-V3.2", arXiv:2512.02556, unbiased KL estimate; TRL's ``use_bias_correction_kl``).
 - Entropy bonus: ``H_t`` is the entropy of the full next-token distribution (from
   `llmrl.algorithms.logprobs`), weighted by ``entropy_coef``.
 - Trainer/inference mismatch: the rollouts were sampled from ``q``, which is not ``pi_old``. The
@@ -91,6 +95,8 @@ class LossOptions:
     kl_beta: float = 0.0
     """Weight of the KL penalty; `policy_loss` then needs ``ref_logprobs``."""
     kl_estimator: KLEstimator = "k3"
+    kl_ratio_weighted: bool = False
+    """Multiply each token's KL by the ratio ``r`` (DeepSeek-V3.2's unbiased KL gradient)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; `policy_loss` then needs ``entropies``."""
     is_mode: ISMode | None = None
@@ -229,6 +235,8 @@ def policy_loss(
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, torch.where(in_mask, ref_logprobs.detach(), 0.0), options.kl_estimator)
         metrics["ref_kl"] = _token_mean(kl, m)
+        if options.kl_ratio_weighted:
+            kl = kl * ratio  # r's value is 1 on-policy, but its gradient adds KL_t * grad log pi
         per_token = per_token + options.kl_beta * kl
     if entropies is not None:
         entropies = torch.where(in_mask, entropies, 0.0)

@@ -36,6 +36,7 @@ def reference_loss(
     ref_logprobs=None,
     kl_beta=0.0,
     kl_estimator="k3",
+    kl_ratio_weighted=False,
     entropies=None,
     entropy_coef=0.0,
     inference_logprobs=None,
@@ -77,7 +78,7 @@ def reference_loss(
                 kl = {"k1": -log_rho, "k2": log_rho**2 / 2, "k3": torch.exp(log_rho) - 1 - log_rho}[
                     kl_estimator
                 ]
-                token_loss = token_loss + kl_beta * kl
+                token_loss = token_loss + kl_beta * (ratio * kl if kl_ratio_weighted else kl)
             if entropy_coef:
                 token_loss = token_loss - entropy_coef * entropies[i, t]
             sequence_total = sequence_total + token_loss
@@ -122,6 +123,7 @@ OPTIONS = {
     "kl_k1": {"kl_beta": 0.3, "kl_estimator": "k1"},
     "kl_k2": {"kl_beta": 0.3, "kl_estimator": "k2"},
     "kl_k3": {"kl_beta": 0.3, "kl_estimator": "k3"},
+    "kl_ratio_weighted": {"kl_beta": 0.3, "kl_estimator": "k3", "kl_ratio_weighted": True},
     "entropy": {"entropy_coef": 0.05},
     "tis": {"is_mode": "truncate", "is_cap": 1.5},
     "mis": {"is_mode": "mask", "is_cap": 1.2},
@@ -266,6 +268,15 @@ def test_hand_derived_kl_estimators():
     )
     assert loss.item() == pytest.approx(0.5 * (0.5 - 1 + math.log(2)))
     assert metrics["ref_kl"] == pytest.approx(0.5 - 1 + math.log(2))
+    # On-policy the ratio is 1, so weighting by it keeps the loss; its gradient adds k3 itself to
+    # d k3 / d log pi = 1 - rho = 0.5.
+    for weighted, slope in [(False, 0.5), (True, 0.5 + (0.5 - 1 + math.log(2)))]:
+        logprob = lp[None].clone().requires_grad_()
+        loss, _ = loss_of(logprob, lp[None], zero, torch.ones(1, 1, dtype=torch.bool), ref_logprobs=ref[None],
+                          kl_beta=0.5, kl_ratio_weighted=weighted)  # fmt: skip
+        (gradient,) = torch.autograd.grad(loss, logprob)
+        assert loss.item() == pytest.approx(0.5 * (0.5 - 1 + math.log(2)))
+        assert gradient.item() == pytest.approx(0.5 * slope)
 
 
 def test_hand_derived_importance_weights():
