@@ -1,8 +1,6 @@
 """Shared fixtures.
 
-The tiny-model fixtures build the embedded default model on first use (about a minute on one CPU
-core) into ``$LLMRL_CACHE_DIR`` (CI points it at a folder inside the clone, so a CI run builds it
-once) or ``~/.cache/llmrl``, and reuse it afterwards.
+The tiny-model fixtures load the default model shipped inside the package (`llmrl/models/shipped/`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Models: `load_model(spec) -> (model, tokenizer)` for ``tiny://...``, local folders and hub ids.
 
-`tiny.py` builds the embedded default model (`tiny://arithmetic`); see docs/models.md. Its names
-are re-exported lazily, so that `python -m llmrl.models.tiny` does not find the module already
-imported by this package (runpy warns about that, and would run the module twice).
+`tiny.py` builds the default model (`tiny://arithmetic`), which ships in `shipped/` (docs/models.md).
+Its names are re-exported lazily, so that `python -m llmrl.models.tiny` does not find the module
+already imported by this package (runpy warns about that, and would run the module twice).
 """
 
 import importlib

@@ -1,6 +1,6 @@
 """`load_model(spec) -> (model, tokenizer)`: the one way llmrl turns a model spec into weights.
 
-A spec is ``tiny://NAME`` (the embedded model of `llmrl.models.tiny`, built on first use), a local
+A spec is ``tiny://NAME`` (a model of `llmrl.models.tiny` shipped inside the package), a local
 folder written by `save_pretrained`, or a Hugging Face hub id handed to `transformers` as is.
 
 Models with a feature llmrl cannot reproduce exactly between its inference engine and its
@@ -36,7 +36,7 @@ def _is_plausible_hub_id(spec: str) -> bool:
 
 
 def resolve_model_spec(spec: str) -> str:
-    """The folder or hub id that `spec` names; builds the tiny model if the spec asks for it."""
+    """The folder or hub id that `spec` names (a tiny model's shipped folder, its checksums verified)."""
     from llmrl.models.tiny import TINY_MODELS, tiny_model_path  # here: see llmrl/models/__init__.py
 
     if not isinstance(spec, str) or not spec.strip():

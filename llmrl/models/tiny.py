@@ -15,11 +15,14 @@ made from nothing, seeded and deterministic, in about a minute on one CPU core:
    the task, far from all of it, so GRPO has signal. See `train_warmup` for why it stops on a
    measurement rather than after a fixed number of steps.
 
-The result is saved with `save_pretrained` under ``$LLMRL_CACHE_DIR`` (default ``~/.cache/llmrl``)
-in a folder named after the recipe's hash, so a recipe change builds a new model; it is built
-once (under a file lock, into a temporary folder renamed into place) and reused.
+The build ships inside the package (`shipped/arithmetic/`, written by `save_pretrained`, with a
+`SHA256SUMS` checked at every load): float rounding differs between processors, so a build on
+each user's machine would give each user another model. Rebuilding is for whoever changes the
+recipe:
 
-    python -m llmrl.models.tiny [--rebuild]     # build or reuse, then print size and accuracy
+    python -m llmrl.models.tiny                       # check the shipped build, print its accuracy
+    python -m llmrl.models.tiny --rebuild             # build anew, say how it differs from the shipped one
+    python -m llmrl.models.tiny --rebuild --replace   # ... and ship the new build
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
+import platform
 import random
 import shutil
 import sys
@@ -39,12 +42,13 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import tokenizers
 import torch
 import transformers
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from llmrl.cache import cache_root
 from llmrl.errors import ModelSpecError
 from llmrl.tasks.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
 
@@ -406,7 +410,7 @@ def evaluate_accuracy(
 
 
 # ---------------------------------------------------------------------------------------------
-# Build and cache
+# Build, ship and verify
 
 
 @contextlib.contextmanager
@@ -430,14 +434,27 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 BUILD_INFO = "build_info.json"
+CHECKSUMS = "SHA256SUMS"
+SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
+"""The shipped builds, a folder per `TINY_MODELS` name, installed with the package."""
+
+
+def _processor_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def build_tiny_model(output_dir: str | Path, recipe: TinyRecipe = TINY_MODELS["arithmetic"]) -> dict:
     """Build the model and tokenizer into `output_dir` (save_pretrained) and return its build info.
 
-    Deterministic: the same recipe on the same machine, thread count and library versions gives
-    the same bytes. The build info (also written to `build_info.json`, last, so that its presence
-    marks a complete folder) holds the measured figures.
+    Deterministic on one machine: the same recipe, processor features, thread count and library
+    versions give the same bytes. Float rounding differs between processors, so another machine
+    builds other weights; that is why the build ships with llmrl. The build info (written to
+    `build_info.json`) holds the measured figures and the machine; `SHA256SUMS`, written last,
+    marks a complete folder.
     """
     output_dir = Path(output_dir)
     started = time.perf_counter()
@@ -465,9 +482,48 @@ def build_tiny_model(output_dir: str | Path, recipe: TinyRecipe = TINY_MODELS["a
         "checks": checks,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
+        "tokenizers_version": tokenizers.__version__,
+        "processor": _processor_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     (output_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    write_checksums(output_dir)
     return info
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    """`SHA256SUMS` of every other file in `folder`, in `sha256sum`'s format (``sha256sum -c`` checks it)."""
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.name != CHECKSUMS)
+    (folder / CHECKSUMS).write_text("".join(f"{_sha256(f)}  {f.name}\n" for f in files))
+
+
+def _read_checksums(folder: Path) -> dict[str, str]:
+    """File name -> SHA-256 hex digest, as `SHA256SUMS` lists them."""
+    lines = (folder / CHECKSUMS).read_text().splitlines()
+    return {name: digest for digest, name in (line.split(maxsplit=1) for line in lines)}
+
+
+def verify_build(folder: Path, recipe: TinyRecipe, spec: str) -> None:
+    """Raise `ModelSpecError` unless every file in `SHA256SUMS` matches and the build is of `recipe`."""
+    reinstall = "the installed llmrl is damaged or was edited: reinstall it"
+    if not (folder / CHECKSUMS).is_file():
+        raise ModelSpecError(f"{spec}: {folder / CHECKSUMS} is missing; {reinstall}")
+    for name, digest in _read_checksums(folder).items():
+        if not (folder / name).is_file():
+            raise ModelSpecError(f"{spec}: {folder / name} is missing; {reinstall}")
+        if _sha256(folder / name) != digest:
+            raise ModelSpecError(f"{spec}: {folder / name} does not match its {CHECKSUMS} entry; {reinstall}")
+    built_from = json.loads((folder / BUILD_INFO).read_text())["recipe_id"]
+    if built_from != recipe.recipe_id:
+        raise ModelSpecError(
+            f"{spec}: the shipped build is of recipe {built_from}, but the code's recipe is "
+            f"{recipe.recipe_id}; ship a build of the current recipe with: "
+            f"python -m llmrl.models.tiny {spec.removeprefix('tiny://')} --rebuild --replace"
+        )
 
 
 def _recipe_for(name: str) -> TinyRecipe:
@@ -477,54 +533,110 @@ def _recipe_for(name: str) -> TinyRecipe:
     return TINY_MODELS[name]
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock, so concurrent processes build once and the others wait for it."""
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def tiny_model_path(name: str = "arithmetic") -> Path:
+    """The shipped folder of `tiny://name`, its checksums and recipe verified."""
+    folder = SHIPPED_ROOT / name
+    verify_build(folder, _recipe_for(name), f"tiny://{name}")
+    return folder
 
 
-def tiny_model_path(name: str = "arithmetic", *, cache_dir: str | Path | None = None, rebuild: bool = False) -> Path:
-    """The folder of `tiny://name`, building it first if the cache has no complete copy."""
+def describe_differences(shipped: Path, rebuilt: Path) -> list[str]:
+    """How `rebuilt` differs from `shipped`, a line per difference; empty when their files are equal.
+
+    `build_info.json` always differs (the build time) and is compared by its figures instead.
+    """
+    names = sorted((set(_read_checksums(shipped)) | set(_read_checksums(rebuilt))) - {BUILD_INFO})
+    in_both = [n for n in names if (shipped / n).is_file() and (rebuilt / n).is_file()]
+    differing = [n for n in names if n not in in_both or (shipped / n).read_bytes() != (rebuilt / n).read_bytes()]
+    if not differing:
+        return []
+    lines = []
+    old, new = (json.loads((folder / BUILD_INFO).read_text()) for folder in (shipped, rebuilt))
+    lines += [f"recipe.{field}: {old['recipe'].get(field)} -> {value}"
+              for field, value in new["recipe"].items() if old["recipe"].get(field) != value]  # fmt: skip
+    for key in ("processor", "cpu_capability", "torch_version", "transformers_version", "tokenizers_version",
+                "warmup_steps_run", "heldout_sampled_accuracy", "heldout_greedy_accuracy"):
+        if old.get(key) != new.get(key):
+            lines.append(f"{key}: {old.get(key)} -> {new.get(key)}")
+    for name in differing:
+        if name not in in_both:
+            lines.append(f"{name}: in one build only")
+        elif name == "model.safetensors":
+            lines.append(_weight_differences(shipped / name, rebuilt / name))
+        elif name == "tokenizer.json":
+            lines.append(_tokenizer_differences(shipped / name, rebuilt / name))
+        else:
+            lines.append(f"{name}: differs")
+    return lines
+
+
+def _weight_differences(shipped: Path, rebuilt: Path) -> str:
+    old, new = load_file(shipped), load_file(rebuilt)
+    if old.keys() != new.keys() or any(old[k].shape != new[k].shape for k in old):
+        return "model.safetensors: other tensor names or shapes"
+    gaps = {k: (old[k] - new[k]).abs().max().item() for k in old}
+    largest = max(gaps, key=gaps.__getitem__)
+    squared = sum(((old[k] - new[k]) ** 2).sum().item() for k in old)
+    norm = sum((old[k] ** 2).sum().item() for k in old)
+    return (
+        f"model.safetensors: {sum(g > 0 for g in gaps.values())} of {len(gaps)} tensors differ; largest "
+        f"difference {gaps[largest]:.3g} in {largest}; relative L2 difference {(squared / norm) ** 0.5:.3g}"
+    )
+
+
+def _tokenizer_differences(shipped: Path, rebuilt: Path) -> str:
+    old, new = (json.loads(path.read_text())["model"] for path in (shipped, rebuilt))
+    if old["vocab"] == new["vocab"] and old["merges"] == new["merges"]:
+        return "tokenizer.json: differs outside the vocabulary and merges"
+    moved = sum(new["vocab"].get(token) != token_id for token, token_id in old["vocab"].items())
+    merges = "equal" if old["merges"] == new["merges"] else "differ"
+    return f"tokenizer.json: {moved} of {len(old['vocab'])} tokens missing or renumbered; merges {merges}"
+
+
+def rebuild(name: str, *, replace: bool) -> tuple[Path | None, list[str]]:
+    """Build `tiny://name` anew and compare it with the shipped build; with `replace`, ship the new one.
+
+    Returns the shipped folder (None when `replace` is off) and the differences found.
+    """
     recipe = _recipe_for(name)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / f"tiny-{name}-v{RECIPE_VERSION}-{recipe.recipe_id}"
-    if not rebuild and (target / BUILD_INFO).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{target.name}.lock"):
-        if not rebuild and (target / BUILD_INFO).is_file():  # another process built it while we waited
-            return target
-        # Holding the lock, nobody else is building this folder: leftovers of killed builds go.
-        for leftover in root.glob(f".{target.name}-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        print(f"llmrl: building tiny://{name} into {target} (once; about a minute)", file=sys.stderr, flush=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-        retired = root / f".{target.name}-old-{os.getpid()}"
-        try:
-            build_tiny_model(staging, recipe)
-            if target.exists():  # --rebuild, or a folder left incomplete by hand
-                os.replace(target, retired)
-            os.replace(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.rmtree(retired, ignore_errors=True)
-    return target
+    shipped = SHIPPED_ROOT / name
+    SHIPPED_ROOT.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=SHIPPED_ROOT) as staging:
+        build_tiny_model(staging, recipe)
+        has_shipped = (shipped / CHECKSUMS).is_file()
+        differences = describe_differences(shipped, Path(staging)) if has_shipped else ["no shipped build yet"]
+        if not replace:
+            return None, differences
+        retired = SHIPPED_ROOT / f".{name}-retired"
+        shutil.rmtree(retired, ignore_errors=True)
+        if shipped.exists():
+            os.replace(shipped, retired)
+        shutil.copytree(staging, shipped)
+        shutil.rmtree(retired, ignore_errors=True)
+    return shipped, differences
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmrl.models.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("name", nargs="?", default="arithmetic", choices=sorted(TINY_MODELS))
-    parser.add_argument("--rebuild", action="store_true", help="build again even if the cache has it")
+    parser.add_argument("--rebuild", action="store_true", help="build anew and compare with the shipped build")
+    parser.add_argument("--replace", action="store_true", help="with --rebuild: ship the new build in its place")
     parser.add_argument("--problems", type=int, default=256, help="held-out problems to evaluate on")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out sample and of sampling")
     args = parser.parse_args(argv)
+    if args.replace and not args.rebuild:
+        parser.error("--replace needs --rebuild")
 
-    path = tiny_model_path(args.name, rebuild=args.rebuild)
+    if args.rebuild:
+        print(f"building tiny://{args.name} anew (about a minute)", flush=True)
+        shipped, differences = rebuild(args.name, replace=args.replace)
+        print("\n".join(["the new build differs from the shipped one:", *(f"  {line}" for line in differences)])
+              if differences else "the new build is byte for byte the shipped one")  # fmt: skip
+        if shipped is not None:
+            print(f"shipped the new build in {shipped}")
+        elif differences:
+            return 1
+    path = tiny_model_path(args.name)
     info = json.loads((path / BUILD_INFO).read_text())
     model = Qwen2ForCausalLM.from_pretrained(path)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
@@ -532,13 +644,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     heldout = sample_problems(args.problems, digits=recipe.digits, split="test", seed=args.seed)
     sampled = evaluate_accuracy(model, tokenizer, heldout, sample=True, seed=args.seed)
     greedy = evaluate_accuracy(model, tokenizer, heldout, sample=False)
-    print(f"model:            tiny://{args.name} at {path}")
-    print(f"build time:       {info['build_seconds']} s (torch threads: {recipe.threads})")
+    print(f"model:            tiny://{args.name} at {path} (checksums verified)")
+    print(f"built on:         {info['processor']} ({info['cpu_capability']}), torch {info['torch_version']}, "
+          f"{info['build_seconds']} s on {recipe.threads} thread(s)")  # fmt: skip
     print(f"parameters:       {info['params']:,}")
     print(f"held-out {recipe.digits}-digit addition, {len(heldout)} problems, seed {args.seed}:")
     print(f"  sampled (T=1):  {sampled:.1%}")
     print(f"  greedy:         {greedy:.1%}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import fnmatch
 import json
 import re
-import threading
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from llmrl.cache import cache_root
-from llmrl.models import TINY_MODELS, export_model, load_model, resolve_model_spec, tiny
-from llmrl.models.tiny import BUILD_INFO, IM_END, PAD_TOKEN, TinyRecipe, build_tiny_model, tiny_model_path
+from llmrl.models import TINY_MODELS, ModelSpecError, export_model, load_model, resolve_model_spec, tiny
+from llmrl.models.tiny import (
+    BUILD_INFO,
+    CHECKSUMS,
+    IM_END,
+    PAD_TOKEN,
+    TinyRecipe,
+    build_tiny_model,
+    tiny_model_path,
+)
 from llmrl.tasks.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
 
 # A recipe that builds in about a second: same tokenizer and code path, a toy network and 3 steps.
@@ -38,23 +48,15 @@ def micro_build(tmp_path_factory):
 
 
 @pytest.fixture
-def micro_registry(monkeypatch, tmp_path):
-    """`tiny://micro` resolves to MICRO, cached under a fresh folder; counts the builds."""
+def shipped_micro(monkeypatch, tmp_path, micro_build):
+    """`tiny://micro` is MICRO, shipped (a copy of its build) under a temporary `SHIPPED_ROOT`."""
     monkeypatch.setitem(TINY_MODELS, "micro", MICRO)
-    monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path / "cache"))
-    builds = []
-    real_build = tiny.build_tiny_model
-
-    def counting_build(output_dir, recipe):
-        builds.append(recipe)
-        return real_build(output_dir, recipe)
-
-    monkeypatch.setattr(tiny, "build_tiny_model", counting_build)
-    return builds
+    monkeypatch.setattr(tiny, "SHIPPED_ROOT", tmp_path / "shipped")
+    return Path(shutil.copytree(micro_build[0], tmp_path / "shipped" / "micro"))
 
 
 def file_bytes(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != BUILD_INFO}
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in (BUILD_INFO, CHECKSUMS)}
 
 
 # --- build: determinism and cache ------------------------------------------------------------
@@ -104,45 +106,78 @@ def test_recipe_id_changes_with_the_recipe():
     assert dataclasses.replace(TinyRecipe(), max_steps=5).recipe_id != TinyRecipe().recipe_id
 
 
-def test_cache_builds_once_and_is_reused(micro_registry, tmp_path):
-    leftover = tmp_path / "cache" / f".tiny-micro-v{tiny.RECIPE_VERSION}-{MICRO.recipe_id}-killedbuild"
-    leftover.mkdir(parents=True)
-    path = tiny_model_path("micro")
-    assert path.parent == tmp_path / "cache" and MICRO.recipe_id in path.name
-    assert tiny_model_path("micro") == path
-    model, tokenizer = load_model("tiny://micro")
-    assert model.config.hidden_size == 32 and tokenizer.eos_token == IM_END
-    assert len(micro_registry) == 1
-    # Nothing but the model folder and the lock file is left, not even a killed build's staging folder.
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f".{path.name}.lock"])
+# --- the shipped build: checksums, recipe, rebuild ---------------------------------------------
 
 
-def test_concurrent_callers_build_once(micro_registry):
-    paths, errors = [], []
-
-    def call():
-        try:
-            paths.append(tiny_model_path("micro"))
-        except Exception as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call) for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and len(set(paths)) == 1 and len(micro_registry) == 1
+def test_the_shipped_build_is_of_the_current_recipe_and_complete():
+    path = tiny_model_path("arithmetic")
+    assert path == tiny.SHIPPED_ROOT / "arithmetic"
+    listed = set(tiny._read_checksums(path))
+    assert {"model.safetensors", "tokenizer.json", "config.json", BUILD_INFO} <= listed
+    assert listed == {p.name for p in path.iterdir()} - {CHECKSUMS}
+    info = json.loads((path / BUILD_INFO).read_text())
+    assert info["recipe_id"] == TINY_MODELS["arithmetic"].recipe_id and info["reached_target"]
 
 
-def test_rebuild_replaces_the_cached_folder(micro_registry):
-    path = tiny_model_path("micro")
-    (path / "stale-marker").write_text("x")
-    assert tiny_model_path("micro", rebuild=True) == path
-    assert not (path / "stale-marker").exists() and (path / BUILD_INFO).is_file()
-    assert len(micro_registry) == 2
+def test_the_shipped_files_are_package_data():
+    """A wheel (not only an editable install) carries the shipped build: pyproject's globs cover it."""
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    section = pyproject.split("[tool.setuptools.package-data]", 1)[1]
+    patterns = ast.literal_eval(re.search(r"^llmrl = (\[.*\])$", section, re.M).group(1))
+    package = Path(tiny.__file__).parents[1]
+    for file in tiny.SHIPPED_ROOT.rglob("*"):
+        if file.is_file():
+            relative = file.relative_to(package).as_posix()
+            assert any(fnmatch.fnmatch(relative, pattern) and relative.count("/") == pattern.count("/")
+                       for pattern in patterns), relative  # fmt: skip
 
 
-def test_export_writes_a_plain_folder_that_loads_back(micro_registry, tmp_path):
+def test_a_changed_or_missing_file_is_refused_by_name(shipped_micro):
+    assert load_model("tiny://micro")[0].config.hidden_size == 32
+    tokenizer_file = shipped_micro / "tokenizer.json"
+    tokenizer_file.write_text(tokenizer_file.read_text().replace("<|im_end|>", "<|im_stop|>"))
+    with pytest.raises(ModelSpecError, match=r"tiny://micro: .*tokenizer.json does not match .*reinstall"):
+        load_model("tiny://micro")
+    tokenizer_file.unlink()
+    with pytest.raises(ModelSpecError, match=r"tokenizer.json is missing"):
+        tiny_model_path("micro")
+    (shipped_micro / CHECKSUMS).unlink()
+    with pytest.raises(ModelSpecError, match=r"SHA256SUMS is missing"):
+        tiny_model_path("micro")
+
+
+def test_a_changed_recipe_asks_for_a_rebuild(shipped_micro, monkeypatch):
+    monkeypatch.setitem(TINY_MODELS, "micro", dataclasses.replace(MICRO, max_steps=4))
+    with pytest.raises(ModelSpecError, match=r"python -m llmrl.models.tiny micro --rebuild --replace"):
+        load_model("tiny://micro")
+
+
+def test_differences_name_the_recipe_weights_and_tokenizer(micro_build, tmp_path):
+    other = dataclasses.replace(MICRO, seed=1)
+    build_tiny_model(tmp_path, other)
+    lines = tiny.describe_differences(micro_build[0], tmp_path)
+    assert "recipe.seed: 0 -> 1" in lines
+    weights = next(line for line in lines if line.startswith("model.safetensors"))
+    assert re.search(r"\d+ of \d+ tensors differ; largest difference [\d.e-]+ in model\.", weights), weights
+    assert any(line.startswith("tokenizer.json: ") for line in lines), lines
+    assert tiny.describe_differences(micro_build[0], micro_build[0]) == []
+
+
+def test_rebuild_compares_and_replace_ships_the_new_build(shipped_micro, monkeypatch, capsys):
+    argv = ["micro", "--problems", "4"]
+    assert tiny.main([*argv, "--rebuild"]) == 0  # the same recipe on the same machine: the same bytes
+    assert "byte for byte the shipped one" in capsys.readouterr().out
+    monkeypatch.setitem(TINY_MODELS, "micro", dataclasses.replace(MICRO, max_steps=4))
+    assert tiny.main([*argv, "--rebuild"]) == 1
+    out = capsys.readouterr().out
+    assert "recipe.max_steps: 3 -> 4" in out and "model.safetensors: " in out
+    assert tiny.main([*argv, "--rebuild", "--replace"]) == 0
+    assert "shipped the new build" in capsys.readouterr().out
+    assert json.loads((tiny_model_path("micro") / BUILD_INFO).read_text())["recipe"]["max_steps"] == 4
+    assert sorted(p.name for p in shipped_micro.parent.iterdir()) == ["micro"]  # no staging left behind
+
+
+def test_export_writes_a_plain_folder_that_loads_back(shipped_micro, tmp_path):
     out = export_model("tiny://micro", tmp_path / "exported", dtype="bfloat16")
     exported, tokenizer = load_model(str(out))
     original, _ = load_model("tiny://micro")
@@ -153,13 +188,6 @@ def test_export_writes_a_plain_folder_that_loads_back(micro_registry, tmp_path):
     )
     with pytest.raises(ValueError, match="must not exist or be empty"):
         export_model("tiny://micro", out)
-
-
-def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLMRL_CACHE_DIR", str(tmp_path))
-    assert cache_root() == tmp_path
-    monkeypatch.delenv("LLMRL_CACHE_DIR")
-    assert cache_root().parts[-2:] == (".cache", "llmrl")
 
 
 # --- load_model errors -------------------------------------------------------------------------
