@@ -4,6 +4,8 @@
     python bench/compare_trl.py [--steps 60] [--long-steps 10] [--repeats 3] [--betas 0 0.04]
         [--workloads natural long] [--lr 1e-4] [--eval-prompts 256] [--llmrl-set KEY=VALUE ...]
         [--out runs/compare_trl]
+    python bench/compare_trl.py --learning-seeds 5 --steps 50 --clip-high 0.2 --second-model-seed 1
+        # the learning study: held-out gain per seed of both, on two models
 
 Needs the `trl` extra (``pip install -c constraints.txt -e '.[trl]'``). Builds (or reuses) the tiny
 default model (`tiny://arithmetic`, 0.9M-parameter Qwen2, ChatML) and writes the training prompts,
@@ -26,8 +28,9 @@ per-token losses averaged over every completion token of the step (llmrl's `toke
 ``loss_type="dapo"``); float32 weights and math on both (TRL defaults to bf16 autocast), no gradient
 checkpointing (TRL's default is on), no experiment tracker, no evaluation inside the timed steps.
 Remaining differences: TRL's group std is the sample std (n - 1) and its epsilon 1e-4, llmrl's the
-population std and 1e-6, which scales advantages by at most 7% (AdamW mostly absorbs it); with
-beta 0, llmrl skips the forward and backward passes of rollouts whose advantage is 0 (whole groups
+population std and 1e-6 by default, which scales advantages by at most 7% (AdamW mostly absorbs it;
+``--llmrl-set algorithm.advantage_std_ddof=1 --llmrl-set algorithm.advantage_eps=1e-4`` gives
+TRL's numbers exactly, tests/integration/test_trl_parity.py); with beta 0, llmrl skips the forward and backward passes of rollouts whose advantage is 0 (whole groups
 with equal rewards), which changes neither its loss nor its gradient.
 
 Workloads:
@@ -65,12 +68,27 @@ completion token but the last fed back), for forward + backward over every rollo
 logits on completion positions only) and for the reference model's forward when beta > 0. Padding,
 recomputation and redundant prefills are not counted, and the work llmrl skips is counted as done,
 so the figure measures the step, not the kernels.
+
+Learning study (``--learning-seeds N``): instead of the speed tables, does either framework learn
+more? The natural workload at beta 0 (``--steps``, ``--lr``, ``--clip-high``, ``--llmrl-set`` as
+above) for seeds 0..N-1, on `tiny://arithmetic` and, with ``--second-model-seed S``, on a second
+tiny model built from the same recipe with seed S (``OUT/models/seed-S``, built once, ~75 s). Each
+seed has its own prompt order and sampling seed, used by both frameworks alike. Per seed and
+framework: the held-out gain (after minus before, the same evaluation seed for both) in sampled
+pass@1 and greedy accuracy, the mean training reward over the last 10 steps and the mean completion
+length. Then per model: mean, sample std and min-max of each framework's gains, and the paired
+difference llmrl - TRL over seeds with its standard error, the number of seeds llmrl wins, and the
+exact two-sided p-value of a sign-flip permutation test (all 2^N sign assignments of the paired
+differences; with N = 5 even five wins out of five give p = 0.0625). Also checked: both frameworks
+trained on prompts of the same token counts (the chat template renders alike). Report:
+``OUT/learning.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -130,6 +148,7 @@ class WorkerSpec:
     lr: float
     seed: int
     llmrl_overrides: list[str]
+    clip_high: float = 0.28
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +197,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
 
 def run_trl(spec: WorkerSpec) -> dict[str, Any]:
     """TRL's GRPOTrainer with every default that differs from llmrl's set explicitly."""
+    # This script's folder comes first on sys.path, and its sibling bench/vllm.py would pass for the
+    # vllm package, which TRL probes (and fails on) when imported.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -252,7 +275,8 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
         max_grad_norm=1.0,
         beta=setting.beta,
         epsilon=0.2,
-        epsilon_high=0.28,
+        epsilon_high=spec.clip_high,
+        use_bias_correction_kl=False,  # TRL's default weights the KL by the ratio; llmrl's does not
         loss_type="dapo",  # token mean over the whole step: llmrl's token_mean
         scale_rewards="group",
         mask_truncated_completions=False,
@@ -305,7 +329,7 @@ def run_llmrl(spec: WorkerSpec) -> dict[str, Any]:
         f"algorithm.kl_beta={setting.beta}",
         "algorithm.kl_estimator=k3",
         "algorithm.clip_low=0.2",
-        "algorithm.clip_high=0.28",
+        f"algorithm.clip_high={spec.clip_high}",
         "algorithm.aggregation=token_mean",
         "algorithm.advantage_estimator=grpo",
         "inference.generation.temperature=1.0",
@@ -665,6 +689,164 @@ def plot_rewards(curves: dict[str, dict[str, list[float]]], path: Path, window: 
     plt.close(figure)
 
 
+# ---------------------------------------------------------------------------------------------
+# The learning study
+
+
+def study_models(out: Path, second_seed: int | None) -> list[tuple[str, str]]:
+    """(label, folder) of the models to study: the default tiny model and, optionally, one more built
+    from its recipe with another seed (once; a folder that holds one is reused)."""
+    import dataclasses
+
+    from llmrl.models import tiny_model_path
+    from llmrl.models.tiny import TinyRecipe, build_tiny_model
+
+    models = [("tiny://arithmetic", str(tiny_model_path("arithmetic")))]
+    if second_seed is not None:
+        folder = out / "models" / f"seed-{second_seed}"
+        if not (folder / "config.json").exists():
+            began = time.perf_counter()
+            build_tiny_model(folder, dataclasses.replace(TinyRecipe(), seed=second_seed))
+            print(f"built {folder} in {time.perf_counter() - began:.0f} s", flush=True)
+        models.append((f"tiny recipe, seed {second_seed}", str(folder)))
+    return models
+
+
+@dataclass
+class SeedOutcome:
+    """One seed of the study: held-out accuracy before, and per framework after and on the way."""
+
+    seed: int
+    before: dict[str, float]
+    after: dict[str, dict[str, float]]  # framework -> evaluation summary
+    late_reward: dict[str, float]  # framework -> mean training reward over the last 10 steps
+    completion_tokens: dict[str, float]  # framework -> mean completion length
+    same_prompts: bool  # both trained on prompts of the same token counts, step by step
+
+    def gain(self, framework: str, metric: str) -> float:
+        return self.after[framework][metric] - self.before[metric]
+
+
+def run_seed(model_dir: str, seed: int, args: argparse.Namespace, out: Path) -> SeedOutcome:
+    """Train both frameworks from `model_dir` with `seed` (the order alternating by seed) and evaluate."""
+    setting = Setting("natural", 0.0, args.steps)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts_file = out / f"prompts-seed{seed}.jsonl"
+    write_prompts(prompts_file, setting.steps * PROMPTS_PER_STEP, seed)
+    results = {}
+    for framework in FRAMEWORKS if seed % 2 == 0 else FRAMEWORKS[::-1]:
+        name = f"{framework}-seed{seed}"
+        spec = WorkerSpec(framework, setting, model_dir, str(prompts_file), str(out / name), args.lr, seed,
+                          args.llmrl_set, args.clip_high)  # fmt: skip
+        results[framework] = launch(spec, out / f"{name}.log")
+
+    def prompt_lengths(framework: str) -> list[list[int]]:
+        return [sorted(p for p, _ in step["lengths"]) for step in results[framework]["steps"]]
+
+    return SeedOutcome(
+        seed=seed,
+        before=evaluate(model_dir, seed, args.eval_prompts),
+        after={f: evaluate(results[f]["model_dir"], seed, args.eval_prompts) for f in FRAMEWORKS},
+        late_reward={f: statistics.mean(s["reward"] for s in results[f]["steps"][-10:]) for f in FRAMEWORKS},
+        completion_tokens={
+            f: statistics.mean(c for s in results[f]["steps"] for _, c in s["lengths"]) for f in FRAMEWORKS
+        },
+        same_prompts=prompt_lengths("trl") == prompt_lengths("llmrl"),
+    )
+
+
+def sign_flip_p_value(differences: list[float]) -> float:
+    """Exact two-sided p-value of a paired permutation test: the share of the 2^n sign assignments
+    whose mean is at least as far from 0 as the observed one (no distribution assumed)."""
+    observed = abs(statistics.mean(differences)) - 1e-12
+    means = [
+        abs(statistics.mean(sign * d for sign, d in zip(signs, differences, strict=True)))
+        for signs in itertools.product((1, -1), repeat=len(differences))
+    ]
+    return sum(m >= observed for m in means) / len(means)
+
+
+def spread(values: list[float]) -> str:
+    """Mean +- sample std [min, max], in accuracy points."""
+    deviation = statistics.stdev(values) if len(values) > 1 else 0.0
+    return (
+        f"{100 * statistics.mean(values):+.1f} +- {100 * deviation:.1f} "
+        f"[{100 * min(values):+.1f}, {100 * max(values):+.1f}]"
+    )
+
+
+def paired(trl: list[float], llmrl: list[float]) -> str:
+    """The paired difference llmrl - TRL: mean +- standard error, wins, sign-flip p-value."""
+    differences = [ours - theirs for ours, theirs in zip(llmrl, trl, strict=True)]
+    error = statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) > 1 else math.nan
+    wins = sum(d > 0 for d in differences)
+    return (
+        f"{100 * statistics.mean(differences):+.1f} +- {100 * error:.1f} (SE); llmrl ahead in {wins}/"
+        f"{len(differences)} seeds; sign-flip p = {sign_flip_p_value(differences):.3f}"
+    )
+
+
+def study_table(label: str, outcomes: list[SeedOutcome]) -> list[str]:
+    """The markdown report of one model: a row per seed, then the spreads and paired differences."""
+    lines = [
+        f"### {label}",
+        "",
+        "| seed | pass@1 before | TRL gain | llmrl gain | greedy before | TRL gain | llmrl gain "
+        "| last-10-step reward TRL / llmrl | completion tokens TRL / llmrl |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for o in outcomes:
+        lines.append(
+            f"| {o.seed} | {o.before['pass@1']:.3f} | {100 * o.gain('trl', 'pass@1'):+.1f} | "
+            f"{100 * o.gain('llmrl', 'pass@1'):+.1f} | {o.before['greedy_accuracy']:.3f} | "
+            f"{100 * o.gain('trl', 'greedy_accuracy'):+.1f} | {100 * o.gain('llmrl', 'greedy_accuracy'):+.1f} | "
+            f"{o.late_reward['trl']:.3f} / {o.late_reward['llmrl']:.3f} | "
+            f"{o.completion_tokens['trl']:.2f} / {o.completion_tokens['llmrl']:.2f} |"
+        )
+    lines.append("")
+    for metric, name in (("pass@1", "sampled pass@1"), ("greedy_accuracy", "greedy accuracy")):
+        gains = {f: [o.gain(f, metric) for o in outcomes] for f in FRAMEWORKS}
+        lines += [
+            f"- {name} gain, points (mean +- std [min, max]): TRL {spread(gains['trl'])}, "
+            f"llmrl {spread(gains['llmrl'])}; llmrl - TRL {paired(gains['trl'], gains['llmrl'])}",
+        ]
+    same = sum(o.same_prompts for o in outcomes)
+    lines += [f"- prompts of the same token counts in both frameworks, every step: {same}/{len(outcomes)} seeds", ""]
+    return lines
+
+
+def learning_study(args: argparse.Namespace, out: Path, command: str) -> None:
+    began = time.perf_counter()
+    report = [
+        f"`{command}`",
+        "",
+        f"TRL {_version('trl')}, llmrl {_version('llmrl')}; natural workload, beta 0, {args.steps} steps of "
+        f"{PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, lr {args.lr:g} constant, clip 0.2 / "
+        f"{args.clip_high:g}, token-mean loss (TRL dapo); held-out {args.eval_prompts} problems x 8 samples "
+        "(pass@1) and greedy; gains in accuracy points."
+        + (f" llmrl overrides: {', '.join(args.llmrl_set)}." if args.llmrl_set else ""),
+        "",
+    ]
+    for label, model_dir in study_models(out, args.second_model_seed):
+        outcomes = []
+        for seed in range(args.learning_seeds):
+            outcome = run_seed(model_dir, seed, args, out / Path(model_dir).name)
+            outcomes.append(outcome)
+            print(
+                f"{label} seed {seed}: pass@1 gain TRL {100 * outcome.gain('trl', 'pass@1'):+.1f}, llmrl "
+                f"{100 * outcome.gain('llmrl', 'pass@1'):+.1f}; greedy TRL "
+                f"{100 * outcome.gain('trl', 'greedy_accuracy'):+.1f}, llmrl "
+                f"{100 * outcome.gain('llmrl', 'greedy_accuracy'):+.1f} ({time.perf_counter() - began:.0f} s)",
+                flush=True,
+            )
+        report += study_table(label, outcomes)
+        (out / "learning.json").write_text(json.dumps({label: [asdict(o) for o in outcomes]}, indent=1))
+    report.append(f"Total time {time.perf_counter() - began:.0f} s.")
+    text = "\n".join(report) + "\n"
+    (out / "learning.md").write_text(text)
+    print("\n" + text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps of the natural workload")
@@ -684,6 +866,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="extra llmrl config override (repeatable), e.g. training.pack_row_tokens=128",
     )
+    parser.add_argument("--clip-high", type=float, default=0.28, help="upper clip range of both (lower: 0.2)")
+    parser.add_argument(
+        "--learning-seeds", type=int, default=0, help="run the learning study over this many seeds instead"
+    )
+    parser.add_argument(
+        "--second-model-seed", type=int, help="learning study: also a tiny model built with this recipe seed"
+    )
     parser.add_argument("--out", default="runs/compare_trl", help="folder for prompts, runs, report and plot")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one framework from a spec file
     args = parser.parse_args(argv)
@@ -696,6 +885,10 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python bench/compare_trl.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.learning_seeds:
+        learning_study(args, out, command)
+        return
     model_dir = str(tiny_model_path("arithmetic"))
     settings = [
         Setting(w, b, args.steps if w == "natural" else args.long_steps)
@@ -729,6 +922,7 @@ def main(argv: list[str] | None = None) -> None:
                     args.lr,
                     args.seed,
                     args.llmrl_set,
+                    args.clip_high,
                 )
                 result = launch(spec, out / f"{name}.log")
                 results.setdefault((setting.slug, framework), []).append(result)
@@ -758,7 +952,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"held-out evaluations: {time.perf_counter() - evaluation_began:.0f} s", flush=True)
 
     first = {f: results[(settings[0].slug, f)][0] for f in FRAMEWORKS}
-    command = " ".join(["python bench/compare_trl.py", *(argv if argv is not None else sys.argv[1:])])
     report = [
         f"`{command}`",
         "",
