@@ -42,6 +42,7 @@ def run(tmp_path: Path, environment: dict, *, steps: int, evaluation: dict | Non
         sys.modules.pop("arithmetic_rewards", None)
 
 
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize(
     ("layout", "files", "function"),
     [

@@ -71,6 +71,7 @@ def test_short_run_writes_the_whole_run_folder(tmp_path, tiny_model_path):
     assert not torch.are_deterministic_algorithms_enabled()  # the run's setting does not leak
 
 
+@pytest.mark.cross_cpu
 def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
     """Pins the first steps' numbers: a refactor that changes them must say why and update these."""
     train(tmp_path, "training.steps=3", "evaluation.at_start=false", "evaluation.at_end=false", "training.lr=1e-4")
@@ -87,6 +88,7 @@ def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize("lag", [0, 2])
 def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path, lag):
     argv = ["train", *[a for o in QUICK for a in ("--set", o)], "--set", "training.steps=6",
@@ -123,6 +125,7 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
         (tmp_path / "whole" / "summary.json").read_text())["eval_end"]
 
 
+@pytest.mark.cross_cpu
 def test_generation_lag_is_deterministic_and_reports_staleness(tmp_path, tiny_model_path):
     base = ["training.steps=4", "evaluation.at_start=false", "evaluation.at_end=false", "training.lr=1e-4"]
     runs = []
@@ -149,6 +152,7 @@ def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
     assert forced.step == 2
 
 
+@pytest.mark.cross_cpu
 def test_held_out_reward_rises(tmp_path, tiny_model_path):
     # The demo's settings for half its steps.
     summary = train(tmp_path, "training.steps=100", "evaluation.every=0", "checkpoint.every=0",
@@ -230,6 +234,7 @@ class DyingServer:
         return self.inference.update_weights(*args, **kwargs)
 
 
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize("lag", [0, 1])
 def test_a_batch_from_a_dead_server_is_never_trained_on_and_a_rerun_matches(tmp_path, tiny_model_path, lag):
     overrides = ["training.steps=4", "checkpoint.every=1", "evaluation.at_start=false", "evaluation.at_end=false",

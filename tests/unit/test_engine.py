@@ -153,6 +153,7 @@ def test_built_from_config_through_the_registry(tokenizer, tmp_path):
     assert len(response.token_ids) <= 4
 
 
+@pytest.mark.cross_cpu
 def test_greedy_matches_generate_token_for_token(served):
     # Requests of different lengths run concurrently in one batch; each must equal its own generate().
     model, tokenizer = served
@@ -258,6 +259,7 @@ def test_chat_template_kwargs_reach_the_template(tokenizer, qwen2):
     assert templated.decode(thinking.prompt_token_ids).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.cross_cpu
 def test_same_seed_same_tokens_alone_or_beside_30_others(fast_served):
     model, tokenizer = fast_served
     engine = LocalEngine(model, tokenizer, max_concurrent=64, eos_token_ids=())  # long completions

@@ -145,6 +145,7 @@ def test_seeds_reproduce_and_sample_zero_matches_n_one(client):
     assert len({tuple(t) for seed in range(6) for t in tokens(seed)}) > 1
 
 
+@pytest.mark.cross_cpu
 def test_stop_strings_and_stop_token_ids(client):
     base = {"messages": [{"role": "user", "content": "123 + 456 ="}], "max_tokens": 8, "temperature": 0}
     free = client.post("/v1/chat/completions", json=base).json()["choices"][0]

@@ -62,6 +62,7 @@ def file_bytes(folder):
 # --- build: determinism and cache ------------------------------------------------------------
 
 
+@pytest.mark.cross_cpu
 def test_build_is_bitwise_deterministic(micro_build, tmp_path):
     first, _ = micro_build
     build_tiny_model(tmp_path, MICRO)
@@ -163,6 +164,7 @@ def test_differences_name_the_recipe_weights_and_tokenizer(micro_build, tmp_path
     assert tiny.describe_differences(micro_build[0], micro_build[0]) == []
 
 
+@pytest.mark.cross_cpu
 def test_rebuild_compares_and_replace_ships_the_new_build(shipped_micro, monkeypatch, capsys):
     argv = ["micro", "--problems", "4"]
     assert tiny.main([*argv, "--rebuild"]) == 0  # the same recipe on the same machine: the same bytes
@@ -299,6 +301,7 @@ def test_load_model_honours_dtype(tiny_model_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.cross_cpu
 def test_warmed_up_model_is_partly_right(tiny_model, tiny_model_path):
     """GRPO needs signal: answers in the right format, some right and some wrong."""
     info = json.loads((tiny_model_path / BUILD_INFO).read_text())
