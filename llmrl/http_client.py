@@ -97,7 +97,7 @@ async def send(
             response = await asyncio.wait_for(
                 client.request(method, path, timeout=timeout, **kwargs), policy.timeout_s
             )
-        except (httpx.TransportError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, httpx.TransportError) as exc:
             failure, detail, status = f"{type(exc).__name__}: {exc}".rstrip(": "), "", None
             if on_answer is not None:
                 on_answer(None)
