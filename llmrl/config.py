@@ -385,7 +385,9 @@ def demo_config() -> RunConfig:
         environments=[EnvironmentConfig(agent_type="arithmetic", agent_args={"digits": 2})],
         # A step's 32 x 8 rollouts decode as one batch: the tiny model's cache is a few MB.
         inference=InferenceConfig(max_concurrent=256),
-        training=TrainingConfig(steps=200, prompts_per_step=32, group_size=8, lr=3e-4),
+        # 300 steps decaying on a cosine: a slower-learning build of the tiny model (another processor's)
+        # gained +28 points in the 200 constant-rate steps that lift the shipped one +61, and +42 with these.
+        training=TrainingConfig(steps=300, prompts_per_step=32, group_size=8, lr=3e-4, lr_schedule="cosine"),
         evaluation=EvaluationConfig(every=50),
     )
 
