@@ -19,20 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pytest
 import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from trl import GRPOConfig, GRPOTrainer  # the dev extra installs it: without it this test must fail, not skip
 
-pytest.importorskip("trl")
-
-import datasets  # noqa: E402 (after the skip: both come with trl)
-import transformers  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from llmrl.config import AlgorithmConfig, TrainingConfig  # noqa: E402
-from llmrl.trainer.optimization import PolicyUpdate, build_optimizer  # noqa: E402
-from llmrl.trainer.rollouts import prepare_batch  # noqa: E402
-from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout  # noqa: E402
+from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
+from llmrl.trainer.rollouts import prepare_batch
+from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 pytestmark = pytest.mark.slow
 
