@@ -22,7 +22,7 @@ interleaved and the order alternating, because timings drift over minutes on a s
 Matched settings: 8 prompts x 8 completions per step (TRL's ``per_device_train_batch_size`` counts
 completions: 64), one optimizer step per RL step (no PPO epochs, so the ratio's denominator is the
 policy being trained on both sides), the same max completion length, learning rate (constant,
-no warm-up), AdamW betas and eps, gradient clipping at 1.0, clip range 0.2 / 0.28 (clip-higher),
+no warm-up), AdamW betas and eps, gradient clipping at 1.0, clip range 0.2 / 0.28 (``--clip-high``),
 beta with the k3 KL estimator, temperature 1 (no top-k/top-p), seed; group-normalised advantages;
 per-token losses averaged over every completion token of the step (llmrl's `token_mean`, TRL's
 ``loss_type="dapo"``); float32 weights and math on both (TRL defaults to bf16 autocast), no gradient
