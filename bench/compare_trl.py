@@ -7,7 +7,7 @@
     python bench/compare_trl.py --learning-seeds 5 --steps 50 --clip-high 0.2 --second-model-seed 1
         # the learning study: held-out gain per seed of both, on two models
 
-Needs the `trl` extra (``pip install -c constraints.txt -e '.[trl]'``). Builds (or reuses) the tiny
+Needs TRL (the `dev` extra: ``bash scripts/setup.sh dev``). Uses the shipped tiny
 default model (`tiny://arithmetic`, 0.9M-parameter Qwen2, ChatML) and writes the training prompts,
 drawn from the arithmetic task's train split in the order llmrl's trainer draws them, to
 ``OUT/prompts.jsonl``; TRL reads that file in order (``shuffle_dataset=False``), and each llmrl run
