@@ -89,8 +89,14 @@ def build_schedule(optimizer: torch.optim.Optimizer, training: TrainingConfig) -
 
 
 def fast_forward(schedule: lr_scheduler.LRScheduler, steps: int) -> None:
-    """Step a fresh `schedule` to RL step `steps`, as a run that trained them would have (a resume
-    without the optimizer's state: the schedule keeps following the step)."""
+    """Step a fresh `schedule` to RL step `steps`, as a run that trained them would have.
+
+    The optimizer's rates first go back to the schedule's step-0 rates: an optimizer state loaded
+    from a checkpoint carries the rate of the step it was saved at, and torch's decaying schedulers
+    compute each rate from the optimizer's current one, so stepping on from there would decay twice.
+    """
+    for group, rate in zip(schedule.optimizer.param_groups, schedule.get_last_lr(), strict=True):
+        group["lr"] = rate
     with warnings.catch_warnings():  # no optimizer step comes between these, by design
         warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
         for _ in range(steps):

@@ -24,8 +24,8 @@ from llmrl.trainer.rollouts import InferenceUnavailableError
 pytestmark = pytest.mark.slow
 
 QUICK = [
-    "training.prompts_per_step=8", "training.lr_schedule=constant", "evaluation.num_prompts=8",
-    "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]", "logging.progress=plain", "logging.tensorboard=false",
+    "training.prompts_per_step=8", "evaluation.num_prompts=8", "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]",
+    "logging.progress=plain", "logging.tensorboard=false", "training.lr_schedule=constant",
 ]  # fmt: skip
 
 

@@ -355,14 +355,20 @@ def hand_written_lr_factor(step: int, training: TrainingConfig) -> float:
     ]
 
 
-def schedule_lrs(training: TrainingConfig, steps: int, *, resume_at: int | None = None) -> list[float]:
+def schedule_lrs(
+    training: TrainingConfig, steps: int, *, resume_at: int | None = None, with_optimizer_state: bool = False
+) -> list[float]:
     """The learning rate of steps 0..steps-1 under `build_optimizer`'s schedule; with `resume_at`, the schedule
-    is rebuilt there from the step alone (a resume without the optimizer's state)."""
+    is rebuilt there from the step, after loading the optimizer's saved state when `with_optimizer_state`
+    (as a resume from a checkpoint does; the state carries the rate it was saved with)."""
     optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
     lrs = []
     for step in range(steps):
         if step == resume_at:
+            saved = optimizer.state_dict()
             optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
+            if with_optimizer_state:
+                optimizer.load_state_dict(saved)
             fast_forward(schedule, step)
         lrs.append(schedule.get_last_lr()[0])
         assert optimizer.param_groups[0]["lr"] == lrs[-1]
@@ -380,11 +386,14 @@ def test_lr_schedules_follow_the_hand_written_curves(schedule, steps, warmup_ste
 
 
 def test_lr_schedule_resumes_from_the_step_alone():
-    """A resumed run rebuilds the schedule and steps it to the checkpoint's step: the same rates bit for bit."""
+    """A resumed run rebuilds the schedule and steps it to the checkpoint's step: the same rates bit for bit,
+    whether or not the optimizer's state (and with it the rate it was saved at) was loaded first."""
     for schedule in ("constant", "linear", "cosine"):
         training = TrainingConfig(lr=0.5, steps=8, warmup_steps=3, lr_schedule=schedule)
         whole = schedule_lrs(training, 8)
-        assert all(schedule_lrs(training, 8, resume_at=step) == whole for step in range(8))
+        for with_state in (False, True):
+            resumed = [schedule_lrs(training, 8, resume_at=step, with_optimizer_state=with_state) for step in range(8)]
+            assert all(lrs == whole for lrs in resumed), (schedule, with_state)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
