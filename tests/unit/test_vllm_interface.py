@@ -12,7 +12,8 @@ import torch
 
 from llmrl.config import InferenceConfig, VLLMConfig, config_from_dict
 from llmrl.inference.openai import UnsupportedServerError, WeightSyncError
-from llmrl.inference.vllm import VLLMInterface, check_weights, find_vllm_python, weight_buckets
+from llmrl.inference.vllm import VLLMInterface, find_vllm_python
+from llmrl.weights import check_weights, weight_buckets
 
 STATE = {
     "model.embed_tokens.weight": torch.randn(8, 4),
@@ -56,8 +57,9 @@ class ScriptedVLLM:
         return httpx.Response(200, json={"status": "ok"})
 
 
-def interface(server: ScriptedVLLM, **config: Any) -> VLLMInterface:
-    return VLLMInterface(["http://vllm:8000"], config=VLLMConfig(**config), transport=httpx.MockTransport(server))
+def interface(server: ScriptedVLLM, bucket_mb: int = 512, **config: Any) -> VLLMInterface:
+    return VLLMInterface(["http://vllm:8000"], config=VLLMConfig(**config), bucket_mb=bucket_mb,
+                         transport=httpx.MockTransport(server))  # fmt: skip
 
 
 def test_a_sync_walks_vllm_rl_routes_in_order_and_confirms_the_version():
@@ -152,7 +154,7 @@ def test_buckets_are_bounded_and_never_split_a_layer():
 def test_config_picks_external_servers_from_base_url_and_validates_the_section():
     environments = [{"agent_type": "arithmetic"}]
     config = config_from_dict({"environments": environments, "inference": {
-        "type": "vllm", "base_url": ["http://a:1", "http://b:2"], "vllm": {"transport": "disk", "bucket_mb": 64}}})
+        "type": "vllm", "base_url": ["http://a:1", "http://b:2"], "weight_sync_bucket_mb": 64, "vllm": {"transport": "disk"}}})
     assert isinstance(config.inference, InferenceConfig) and config.inference.vllm.transport == "disk"
     with pytest.raises(ValueError, match="inference.vllm.transport"):
         config_from_dict({"environments": environments, "inference": {"vllm": {"transport": "carrier-pigeon"}}})
