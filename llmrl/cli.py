@@ -63,7 +63,7 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
 
     from llmrl.agents import build_agents
     from llmrl.evaluation import evaluate_environments, summary_table
-    from llmrl.inference import build_inference, close_inference, run_sync
+    from llmrl.inference import build_inference, run_sync
     from llmrl.registry import import_plugins
 
     import_plugins(config.plugins)
@@ -74,7 +74,7 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
             evaluate_environments(agents, inference, config.evaluation, config.inference.generation)
         )
     finally:
-        close_inference(inference)
+        inference.close()
     # Off a terminal rich assumes 80 columns and would abbreviate the metric names.
     Console(width=None if sys.stdout.isatty() else 120).print(summary_table(summary, title))
     return summary
@@ -108,8 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from llmrl.evaluation import summary_table
+    from llmrl.inference import InferenceUnavailableError
     from llmrl.trainer import Trainer
-    from llmrl.trainer.rollouts import InferenceUnavailableError
 
     config = _load(args)
     try:
@@ -273,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_inference_failure(exc: BaseException) -> bool:
-    from llmrl.inference.openai import WeightSyncError
     from llmrl.inference.vllm import VLLMStartError
+    from llmrl.weights import WeightSyncError
 
     return isinstance(exc, (WeightSyncError, VLLMStartError))
 

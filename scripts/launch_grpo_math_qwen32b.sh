@@ -131,7 +131,7 @@ serve() {
       "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server
       --model "$MODEL" --dtype bfloat16 --seed "$SEED" --host 0.0.0.0 --port "$port"
       --logprobs-mode processed_logprobs
-      --worker-extension-cls llmrl.vllm_extension.LlmrlWorkerExtension
+      --worker-extension-cls llmrl.weights.vllm_worker.LlmrlWorkerExtension
       --weight-transfer-config "{\"backend\": \"$backend\"}"
       --tensor-parallel-size "$TP" --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION"
       --max-model-len "$MAX_MODEL_LEN")

@@ -49,7 +49,7 @@ echo "llmrl installed in .venv (torch $(.venv/bin/python -c 'import torch; print
 if $with_vllm; then
   # vLLM lives in its own environment: its pins (transformers, fastapi) differ from the trainer's, and
   # its servers are separate processes anyway. llmrl goes in without dependencies, for the module
-  # vLLM loads (llmrl.vllm_extension imports only torch, safetensors, vllm and llmrl.weight_checks).
+  # vLLM loads (llmrl.weights.vllm_worker imports only torch, safetensors, vllm and the narrow modules of llmrl.weights).
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     variant=vllm-cuda   # the regular build of vllm, for CUDA
   else
@@ -70,7 +70,7 @@ if $with_vllm; then
     .venv-vllm/bin/python -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec
   fi
   install .venv-vllm "$lock" --no-build-isolation --no-deps -e .
-  .venv-vllm/bin/python -c "import torch, vllm, llmrl.vllm_extension; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+  .venv-vllm/bin/python -c "import torch, vllm, llmrl.weights.vllm_worker; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   .venv-vllm/bin/python scripts/check_locked.py "$lock" ${strict[@]+"${strict[@]}"}
   echo "vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)') installed in .venv-vllm for managed servers ($lock)"
 fi

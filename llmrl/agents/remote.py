@@ -234,14 +234,14 @@ class RemoteAgent(Agent):
     # ---- HTTP ------------------------------------------------------------------------------------
 
     def _endpoint(self, inference: InferenceInterface) -> InferenceEndpoint:
-        base_url = self.inference_url or getattr(inference, "base_url", None)
-        if not isinstance(base_url, str):
+        health = inference.health()
+        base_url = self.inference_url or health.shared_url
+        if base_url is None:
             raise ConfigError(
                 "RemoteAgent needs an HTTP inference interface (inference.type: openai) "
                 "so the remote environment can call it"
             )
-        model = getattr(inference, "model", None)
-        return InferenceEndpoint(base_url=base_url, model=model if isinstance(model, str) else None)
+        return InferenceEndpoint(base_url=base_url, model=health.model)
 
     async def _target(self) -> str:
         """The remote environment this agent draws from (the server's only one when not configured)."""

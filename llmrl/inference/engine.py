@@ -13,8 +13,8 @@ docs/engine.md explains the design and its measurements; in short:
   modules it names: KV cache, Llama/Qwen2 forward in plain torch ops, the generic fallback).
 * **Prompts** (``prompts.py``), **sampling** (``sampling.py``: per-sample random streams seeded from
   ``(seed, sample index)``, so a seeded request gives the same tokens alone or beside others),
-  **stops and responses** (``sequences.py``), **new weights** (read and checked in
-  ``weight_updates.py``).
+  **stops and responses** (``sequences.py``), **new weights** (read and checked by
+  ``llmrl.weights.in_process``).
 * **Logprobs**: one per completion token, in float32, of the distribution the token was drawn from
   (after temperature, filters and penalties; greedy requests report the temperature-1 logprob).
 * **Weight updates** happen between decode steps. ``weight_update="drain"``: admission pauses,
@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -46,7 +47,7 @@ from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
-from llmrl.inference.interface import Weights, run_sync, running_loop
+from llmrl.inference.interface import Health, run_sync, running_loop
 from llmrl.inference.kv_cache import list_tensor
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.inference.sampling import (
@@ -57,9 +58,9 @@ from llmrl.inference.sampling import (
     sample_tokens,
 )
 from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, penalized, response
-from llmrl.inference.weight_updates import WeightUpdate, served_tensors, weight_update
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
+from llmrl.weights import InProcessTransport, Weights, WeightUpdate, check_version
 
 WeightUpdateMode = Literal["drain", "abort"]
 
@@ -145,7 +146,8 @@ class LocalEngine:
         self.weight_update = weight_update
         self.stats = EngineStats()
         self._device = next(model.parameters()).device
-        self._served = served_tensors(model)  # what updates are checked against, before the decoder releases any
+        # Built before the decoder releases any of the model's tensors: updates are checked against them all.
+        self._weights = InProcessTransport(model, self._apply_update)
         self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, owns_model=owns_model)
         self._eos_ids = frozenset(_default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
@@ -166,13 +168,17 @@ class LocalEngine:
         self._admission_waited = 0  # steps admissible requests have waited (`_defer_admission`)
 
     @classmethod
-    def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int) -> LocalEngine:
-        """An engine serving its own copy of `model` (on the GPU when there is one), sized by `config`.
+    def from_config(
+        cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
+    ) -> LocalEngine:
+        """An engine serving its own copy of `model` (on the GPU when there is one), sized by `config`
+        (`run_dir` is unused: the engine writes nothing).
 
         The trainer keeps its own policy and sends weights with `update_weights`.
         """
         from llmrl.models import load_model
 
+        del run_dir
         device = "cuda" if torch.cuda.is_available() else "cpu"
         served, tokenizer = load_model(model.spec, dtype=model.dtype, device=device,
                                        attn_implementation=model.attn_implementation,
@@ -184,6 +190,13 @@ class LocalEngine:
     def policy_version(self) -> int:
         """Version of the weights new requests are served with."""
         return self._version
+
+    def health(self) -> Health:
+        """The engine runs in this process: there is no server to lose."""
+        return Health()
+
+    def close(self) -> None:
+        """Nothing to release: the thread that steps the batch ends when the batch is done."""
 
     @property
     def uses_fast_path(self) -> bool:
@@ -222,10 +235,11 @@ class LocalEngine:
         one that fails leaves the buckets before it applied (the old version on partly new weights,
         until the next update) and raises here.
         """
-        del reset
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION:
-            raise ValueError(f"version must be an integer in 0..{MAX_POLICY_VERSION}, got {version!r}")
-        update = weight_update(self._served, state_dict_or_path, version)  # a whole state dict checked here
+        check_version(version, MAX_POLICY_VERSION)
+        self._weights.send(state_dict_or_path, version, reset=reset)  # a whole state dict is checked here
+
+    def _apply_update(self, update: WeightUpdate) -> None:
+        """Queue `update` for the thread that steps the batch (or apply it now) and wait for it."""
         with self._lock:
             self._updates.append(update)
             driver = self._driver

@@ -3,23 +3,74 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from llmrl.types import InferenceRequest, InferenceResponse
+from llmrl.weights import Weights
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from llmrl.config import InferenceConfig, ModelConfig
 
 T = TypeVar("T")
 
-Weights = dict[str, Any] | str | Path | Iterable[dict[str, Any]]
-"""What `InferenceInterface.update_weights` takes: a state dict, a file or folder of weights, or a
-stream of buckets (see there)."""
+
+class InferenceUnavailableError(RuntimeError):
+    """The inference server was lost: nothing it produced since is kept, and rerunning the same
+    command resumes (the CLI exits with 75). The message is one line."""
+
+
+@dataclass(frozen=True)
+class Health:
+    """What an inference interface knows of where it generates and whether that answers."""
+
+    servers: tuple[str, ...] = ()
+    """The servers requests go to, or those of them that do not answer when any does not (none:
+    the engine runs in this process)."""
+    unreachable_since: float | None = None
+    """When (`time.time()`) requests began failing to reach a server; None while they reach all."""
+    shared_url: str | None = None
+    """The API root another process may send requests to in this interface's stead (an
+    environment server generating for a remote agent); None when requests must go through it."""
+    model: str | None = None
+    """The model name requests to `shared_url` carry (None: the server's first)."""
+
+
+class Reachability:
+    """Since when a server has been unreachable, told of every request's outcome (`observe`)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def observe(self, status: int | None) -> None:
+        """`status`: the HTTP status of an answer, None for no answer; 5xx counts as none."""
+        if status is not None and status < 500:  # it answered: reachable, even when it refuses
+            self.since = None
+        elif self.since is None:
+            self.since = time.time()
 
 
 @runtime_checkable
 class InferenceInterface(Protocol):
-    """Generates completions; implementations batch concurrent `agenerate` calls."""
+    """Generates completions and serves new weights; implementations batch concurrent `agenerate` calls.
+
+    The trainer builds one with `from_config`, generates with it, syncs every step's weights with
+    `update_weights`, asks `health` why a request or a sync failed (a lost server stops the run
+    with `InferenceUnavailableError`: rerunning resumes) and calls `close` on every exit.
+    Plug-in interfaces (`llmrl.registry.register_inference`) implement the same.
+    """
+
+    @classmethod
+    def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None) -> Self:
+        """The interface `config` describes, serving `model` (`seed`: of requests that carry none;
+        `run_dir`: the run folder for logs and files, None outside a run)."""
+        ...
 
     async def agenerate(self, request: InferenceRequest) -> list[InferenceResponse]:
         """Sample `request.n` completions of one prompt."""
@@ -33,44 +84,17 @@ class InferenceInterface(Protocol):
         """Serve new weights, stamping later responses with `version`.
 
         Versions normally only grow; `reset` replaces whatever is served even with an older version
-        (a trainer starting or resuming a run owns the sequence).
-
-        Besides a state dict or a path, the weights may come as an iterable of bucket dicts (a
-        trainer gathering sharded weights bucket by bucket, `weight_buckets`): together they hold
-        every tensor once, a decoder layer's tensors in one bucket. Each bucket may be produced on
-        demand (collectives with other processes), so it is read in order, at most once, and its
-        tensors are not kept beyond what the implementation needs; the new version serves once the
-        last bucket is in. An implementation reads it to its end unless it fails or has nothing to
-        do (the version it already serves); a producer that needs it read to the end drains it."""
+        (a trainer starting or resuming a run owns the sequence). The weights come as a state dict,
+        a path, or a stream of bucket dicts (`llmrl.weights.Weights` says how a stream is read)."""
         ...
 
+    def health(self) -> Health:
+        """Where requests go and whether they reach it (cheap: no request is sent)."""
+        ...
 
-def weight_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
-    """Split `names` (in order) into buckets of at most `bucket_bytes`, never splitting a decoder
-    layer, so that fused pieces (q/k/v, gate/up) always travel together: a layer (or other tensor)
-    larger than `bucket_bytes` gets a bucket of its own."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(_layer_key(name), []).append(name)
-    buckets: list[list[str]] = []
-    size = 0
-    for group in groups.values():
-        group_size = sum(sizes[n] for n in group)
-        if not buckets or size + group_size > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].extend(group)
-        size += group_size
-    return [b for b in buckets if b]
-
-
-def _layer_key(name: str) -> str:
-    """``model.layers.3`` for every tensor of layer 3; the name itself for the rest."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return name
+    def close(self) -> None:
+        """Release what the interface holds (servers it started, files it wrote, threads)."""
+        ...
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:

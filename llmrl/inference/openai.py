@@ -7,7 +7,7 @@ vLLM (>= 0.10.2) and SGLang add ``token_ids`` and ``prompt_token_ids`` with ``re
 (SGLang's chat also with ``return_prompt_token_ids``), and both give per-token logprobs with
 ``logprobs``. A response still missing any of them raises `UnsupportedServerError` naming the field:
 such a server cannot be trained from. Weight sync (`update_weights`) speaks llmrl's
-``POST /v1/weights`` (docs/serving.md).
+``POST /v1/weights`` through `llmrl.weights.llmrl_server` (docs/serving.md).
 
 Requests go through `llmrl.http_client`: retried with exponential backoff on connection errors,
 timeouts, 408/429 and 5xx, never on other 4xx (the server's message is raised at once). At most `max_concurrent` requests are in flight
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import threading
-import time
-import uuid
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +30,13 @@ import httpx
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
-from llmrl.inference.interface import Weights, run_blocking, run_sync
+from llmrl.inference.interface import Health, Reachability, run_blocking, run_sync
 from llmrl.seeding import derive_seed
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
+from llmrl.weights import Weights, WeightSyncError
+from llmrl.weights.llmrl_server import LlmrlServerTransport
 
 __all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
-
-_CHUNK_BYTES = 1 << 20
 
 
 class InferenceServerError(RuntimeError):
@@ -52,14 +49,6 @@ class InferenceServerError(RuntimeError):
 
 class UnsupportedServerError(ValueError):
     """The server's answers lack what training needs (token ids, per-token logprobs, prompt continuation)."""
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update failed or timed out; `status` is the server's HTTP status when it answered."""
-
-    def __init__(self, message: str, *, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -119,21 +108,22 @@ class OpenAIInterface:
         self.backoff_s = backoff_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
+        self._weights = LlmrlServerTransport(self._post_weights, self._run_closing, self.weights_dir)
         self._api_key = api_key
         self._transport = transport
         self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Session] = (
             weakref.WeakKeyDictionary()
         )
         self._sessions_lock = threading.Lock()
-        self._version = 0
-        self.unreachable_since: float | None = None
-        """When (`time.time()`) the requests began failing to reach the server; None while they reach it."""
-        self._written_file: Path | None = None  # the last weights file we wrote into weights_dir
+        self._reachability = Reachability()
 
     @classmethod
-    def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int) -> OpenAIInterface:
-        """The client `config` describes (`seed` is unused: the server seeds requests that carry none)."""
-        del model, seed
+    def from_config(
+        cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
+    ) -> OpenAIInterface:
+        """The client `config` describes (`seed` is unused: the server seeds requests that carry none;
+        `run_dir` too: the client writes nothing there)."""
+        del model, seed, run_dir
         if not config.base_url:
             raise ConfigError(
                 "inference.base_url: required for inference type 'openai' (e.g. http://127.0.0.1:8000/v1)"
@@ -152,7 +142,15 @@ class OpenAIInterface:
     @property
     def policy_version(self) -> int:
         """The version of the last successful `update_weights` (0 before any)."""
-        return self._version
+        return self._weights.version
+
+    def health(self) -> Health:
+        """The server, and since when requests have failed to reach it (no answer, or a 5xx one)."""
+        return Health(servers=(self.base_url,), unreachable_since=self._reachability.since,
+                      shared_url=self.base_url, model=self.model)  # fmt: skip
+
+    def close(self) -> None:
+        """Nothing to release: each blocking call closes the HTTP client of its own event loop."""
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -174,7 +172,7 @@ class OpenAIInterface:
                 timeout_s=self.timeout_s,
                 retries=self.max_retries,
             )
-        return _parse_responses(data, request, chat, self._version)
+        return _parse_responses(data, request, chat, self._weights.version)
 
     def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
         """Blocking form of `agenerate` (not from inside a running event loop)."""
@@ -194,82 +192,21 @@ class OpenAIInterface:
 
         The server refuses a version older than the one it serves, and takes the one it serves as a
         no-op, unless `reset` is set: a trainer starting or resuming a run owns the version sequence
-        and replaces whatever the server holds.
-
-        A state dict is written as safetensors into `weights_dir` and sent as a path, or streamed
-        when there is no `weights_dir`. A path inside `weights_dir` (a file or a folder of shards)
-        is sent as is; any other path must be a ``.safetensors`` file, which is streamed. Raises
-        `WeightSyncError` when the server refuses or does not answer within `weight_sync_timeout_s`.
-
-        An iterable of bucket dicts (`InferenceInterface.update_weights`) is collected into one
-        state dict first: the server takes one file per update, so the weights are whole here
-        before they are written or streamed.
+        and replaces whatever the server holds. How the weights travel (a file in `weights_dir`,
+        or streamed) is `llmrl.weights.llmrl_server`'s. Raises `WeightSyncError` when the server
+        refuses or does not answer within `weight_sync_timeout_s`.
         """
-        run_blocking(self._closing(self.aupdate_weights(state_dict_or_path, version, reset=reset)))
+        self._weights.send(state_dict_or_path, version, reset=reset)
 
     async def aupdate_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
         """Async form of `update_weights`."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an integer >= 0, got {version!r}")
-        target: dict[str, Any] = {"version": version, **({"reset": True} if reset else {})}
-        if isinstance(state_dict_or_path, dict):
-            await self._send_state_dict(state_dict_or_path, target)
-        elif not isinstance(state_dict_or_path, (str, Path)):  # buckets
-            await self._send_state_dict({k: v for bucket in state_dict_or_path for k, v in bucket.items()}, target)
-        else:
-            path = Path(state_dict_or_path).resolve()
-            if self._in_weights_dir(path):
-                await self._send_path(path, target)
-            elif path.is_file() and path.suffix == ".safetensors":
-                await self._stream_file(path, target)
-            else:
-                raise ValueError(
-                    f"state_dict_or_path: {path} is outside weights_dir, so it must be a .safetensors "
-                    "file to stream; pass a state dict or put the checkpoint in weights_dir"
-                )
+        await self._weights.asend(state_dict_or_path, version, reset=reset)
 
-    async def _send_state_dict(self, state: dict[str, Any], target: dict[str, Any]) -> None:
-        version = target["version"]
-        if self.weights_dir is not None:
-            path = self.weights_dir / f"llmrl-policy-v{version}.safetensors"
-            await asyncio.to_thread(_save_safetensors, state, path, version)
-            await self._send_path(path, target)
-            previous, self._written_file = self._written_file, path
-            if previous is not None and previous != path:
-                previous.unlink(missing_ok=True)  # the server has loaded the new one; keep the folder small
-            return
-        handle, name = tempfile.mkstemp(prefix="llmrl-weights-", suffix=".safetensors")
-        os.close(handle)
+    async def _post_weights(self, path: str, **request: Any) -> Any:
         try:
-            await asyncio.to_thread(_save_safetensors, state, Path(name), version)
-            await self._stream_file(Path(name), target)
-        finally:
-            Path(name).unlink(missing_ok=True)
-
-    async def _send_path(self, path: Path, target: dict[str, Any]) -> None:
-        assert self.weights_dir is not None
-        # Relative: the server resolves it in its own weights_dir, wherever the shared disk is mounted there.
-        relative = path.relative_to(self.weights_dir).as_posix()
-        await self._sync("POST", "/weights", json={**target, "path": relative})
-
-    async def _stream_file(self, path: Path, target: dict[str, Any]) -> None:
-        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
-        await self._sync(
-            "POST", "/weights", params=target, headers=headers, content=_file_chunks(path)
-        )
-
-    async def _sync(self, method: str, path: str, **kwargs: Any) -> None:
-        try:
-            answer = await self._call(method, path, timeout_s=self.weight_sync_timeout_s, retries=0, **kwargs)
+            return await self._call("POST", path, timeout_s=self.weight_sync_timeout_s, retries=0, **request)
         except InferenceServerError as exc:
             raise WeightSyncError(f"weight sync failed: {exc}", status=exc.status) from exc
-        version = answer.get("policy_version") if isinstance(answer, dict) else None
-        if not isinstance(version, int):
-            raise WeightSyncError(f"weight sync: the server's answer has no policy_version: {answer!r}")
-        self._version = version
-
-    def _in_weights_dir(self, path: Path) -> bool:
-        return self.weights_dir is not None and self.weights_dir in path.parents
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -277,7 +214,9 @@ class OpenAIInterface:
         """One request, retried on retryable failures; the decoded JSON answer, or InferenceServerError."""
         policy = RetryPolicy(timeout_s, retries=retries, backoff_s=self.backoff_s)
         try:
-            response = await send(self._session().client, method, path, policy, on_answer=self._observe, **kwargs)
+            response = await send(
+                self._session().client, method, path, policy, on_answer=self._reachability.observe, **kwargs
+            )
         except HTTPRequestError as exc:
             raise InferenceServerError(str(exc), status=exc.status) from None
         try:
@@ -287,13 +226,6 @@ class OpenAIInterface:
                 f"{method} {self.base_url}{path}: the answer is not JSON: {response.text[:200]!r}",
                 status=response.status_code,
             ) from None
-
-    def _observe(self, status: int | None) -> None:
-        """Track since when the server has been unreachable: no answer, or a 5xx one."""
-        if status is not None and status < 500:  # it answered: reachable, even when it refuses
-            self.unreachable_since = None
-        elif self.unreachable_since is None:
-            self.unreachable_since = time.time()
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -320,6 +252,9 @@ class OpenAIInterface:
                 )
                 session = self._sessions[loop] = _Session(client, asyncio.Semaphore(self.max_concurrent))
         return session
+
+    def _run_closing(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        run_blocking(self._closing(coroutine))
 
     async def _closing(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """Run `coroutine`, then close this loop's client (for the sync wrappers' short-lived loops)."""
@@ -458,39 +393,3 @@ def _missing(field: str, what: str) -> UnsupportedServerError:
 
 def _finish_reason(reason: Any) -> FinishReason:
     return reason if reason in ("length", "abort") else "stop"
-
-
-def safetensors_ready(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` as safetensors can write it: CPU, contiguous, and tensors that share memory (tied
-    weights, which safetensors refuses to write) copied apart."""
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
-        tensor = value.detach().to("cpu").contiguous()
-        if tensor.untyped_storage().data_ptr() in storages:
-            tensor = tensor.clone()
-        storages.add(tensor.untyped_storage().data_ptr())
-        tensors[key] = tensor
-    return tensors
-
-
-def _save_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
-    """Write `state` to `path` atomically (a temporary name in the same folder, then a rename)."""
-    from safetensors.torch import save_file
-
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        save_file(safetensors_ready(state), str(partial), metadata={"policy_version": str(version)})
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
-    with open(path, "rb") as file:
-        while chunk := await asyncio.to_thread(file.read, _CHUNK_BYTES):
-            yield chunk

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
@@ -48,6 +49,9 @@ from llmrl.types import (
     ServerInfo,
     check_http_url,
 )
+
+if TYPE_CHECKING:
+    from llmrl.inference.openai import OpenAIInterface
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +246,7 @@ class OpenAIEndpoints:
         self.token_urls = frozenset(map(same_endpoint_url, token_urls))
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
-        self.interfaces: dict[InferenceEndpoint, InferenceInterface] = {}
+        self.interfaces: dict[InferenceEndpoint, OpenAIInterface] = {}
 
     def __call__(self, endpoint: InferenceEndpoint) -> InferenceInterface:
         if endpoint not in self.interfaces:
@@ -259,11 +263,9 @@ class OpenAIEndpoints:
         return self.interfaces[endpoint]
 
     async def aclose(self) -> None:
-        """Close the interfaces' connections (when they have any to close)."""
+        """Close the interfaces' connections."""
         for interface in self.interfaces.values():
-            close = getattr(interface, "aclose", None)
-            if close is not None:
-                await close()
+            await interface.aclose()
         self.interfaces.clear()
 
 
@@ -293,8 +295,10 @@ def create_env_app(
             "an inference token is configured but no inference URL may receive it: set inference.base_url "
             "or pass --inference-url (requests could otherwise send the token anywhere)"
         )
+    # The app closes the clients of the factory it makes; one it is given is its caller's to close.
+    endpoints = None
     if inference_factory is None:
-        inference_factory = OpenAIEndpoints(
+        inference_factory = endpoints = OpenAIEndpoints(
             api_key=inference_api_key,
             token_urls=allowed,
             timeout_s=config.inference.request_timeout_s,
@@ -305,9 +309,8 @@ def create_env_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        close = getattr(inference_factory, "aclose", None)
-        if close is not None:
-            await close()
+        if endpoints is not None:
+            await endpoints.aclose()
 
     app = FastAPI(title="llmrl environment server", lifespan=lifespan)
     app.state.service = service

@@ -52,8 +52,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from llmrl.inference.interface import weight_buckets
 from llmrl.models import load_model
+from llmrl.weights import weight_buckets
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:

@@ -29,25 +29,22 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from llmrl.agents.base import failed_in_inference
+from llmrl.agents.multi_task import WeightedMultiTask
 from llmrl.algorithms.advantages import group_advantages
 from llmrl.algorithms.losses import loss_normalizer
 from llmrl.algorithms.shaping import soft_overlong_penalty
 from llmrl.config import AlgorithmConfig
-from llmrl.inference.interface import run_in_new_loop
+from llmrl.inference.interface import InferenceInterface, InferenceUnavailableError, run_in_new_loop
 from llmrl.trainer.bank import BankedBatch, RolloutBank
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 
-class InferenceUnavailableError(RuntimeError):
-    """A batch was refused because too many of its rollouts failed in inference; rerunning resumes."""
-
-
-def unavailable_line(inference: Any, detail: str, started: float) -> str:
+def unavailable_line(inference: InferenceInterface, detail: str, started: float) -> str:
     """The one line a run stops with: the server and since when (when the interface knows them)."""
-    url = getattr(inference, "base_url", None)
-    since = getattr(inference, "unreachable_since", None)
-    if url is not None and since is not None:
-        problem = f"inference server at {url} unreachable since {_local_time(since)}"
+    health = inference.health()
+    if health.servers and health.unreachable_since is not None:
+        where = f"server at {health.servers[0]}" if len(health.servers) == 1 else f"servers at {', '.join(health.servers)}"
+        problem = f"inference {where} unreachable since {_local_time(health.unreachable_since)}"
     else:
         problem = f"inference failing since {_local_time(started)}"
     return f"{problem} ({detail}); nothing from it was trained on or kept; rerun the same command to resume"
@@ -189,8 +186,8 @@ class RolloutPipeline:
 
     def __init__(
         self,
-        agents: Any,
-        inference: Any,
+        agents: WeightedMultiTask,
+        inference: InferenceInterface,
         *,
         num_groups: int,
         group_size: int,

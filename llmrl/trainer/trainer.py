@@ -39,7 +39,7 @@ import yaml
 from llmrl.agents import build_agents
 from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
-from llmrl.inference import build_inference, close_inference, run_sync
+from llmrl.inference import InferenceInterface, InferenceUnavailableError, build_inference, run_sync
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
 from llmrl.registry import import_plugins
@@ -53,7 +53,6 @@ from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forwa
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
 from llmrl.trainer.rollouts import (
-    InferenceUnavailableError,
     RolloutPipeline,
     prepare_batch,
     rollout_metrics,
@@ -89,11 +88,11 @@ class Trainer:
         device = _device(config.training.device)
         self.distributed = Distributed.from_env(device)  # None in one process
         self.is_main = self.distributed is None or self.distributed.is_main
-        self.inference = None
+        self.inference: InferenceInterface | None = None  # rank 0's alone
         try:
             self._build(config, device, resume)
         except BaseException:
-            close_inference(self.inference)
+            self._close_inference()
             if self.distributed is not None:  # leave the process group before the interpreter exits
                 self.distributed.close(wait=False)
             raise
@@ -189,7 +188,7 @@ class Trainer:
         with ExitStack() as stack:
             if self.distributed is not None:  # leaves the process group last, whatever happens
                 stack.push(self._leave_process_group)
-            stack.callback(close_inference, self.inference)  # managed servers stop on every exit
+            stack.callback(self._close_inference)  # managed servers stop on every exit
             if config.training.deterministic:
                 stack.enter_context(_deterministic_algorithms())
             self._open_outputs(stack)
@@ -302,13 +301,17 @@ class Trainer:
             try:
                 self.inference.update_weights(weights, version=version, reset=reset)
             except Exception as exc:
-                if getattr(self.inference, "unreachable_since", None) is None:
+                if self.inference.health().unreachable_since is None:
                     raise
                 detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
                 raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
         if self.distributed is not None:
             for _ in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
                 pass
+
+    def _close_inference(self) -> None:
+        if self.inference is not None:
+            self.inference.close()
 
     def _untied(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`weights` without the names that alias another entry (tied embeddings)."""

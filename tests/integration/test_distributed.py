@@ -183,7 +183,7 @@ def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_pa
 # copy, then gathers the weights in buckets of 1 MiB (about one decoder layer of the tiny model).
 SHARDED_LOADING_SCRIPT = """
 import torch
-from llmrl.inference.interface import weight_buckets
+from llmrl.weights import weight_buckets
 from llmrl.models import load_model
 from llmrl.trainer.distributed import Distributed, tied_duplicates
 

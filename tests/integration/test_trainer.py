@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmrl.config import load_config
+from llmrl.inference import Health
 from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
 from llmrl.trainer.bank import RolloutBank
@@ -222,17 +223,23 @@ class DyingServer:
         self.inference = inference
         self.alive_calls = alive_calls
         self.base_url = "http://10.0.0.7:8000/v1"
-        self.unreachable_since: float | None = None
+        self.lost_at: float | None = None
 
     async def agenerate(self, request):
         self.alive_calls -= 1
         if self.alive_calls < 0:
-            self.unreachable_since = self.unreachable_since or time.time()
+            self.lost_at = self.lost_at or time.time()
             raise ConnectionRefusedError("[Errno 111] Connection refused")
         return await self.inference.agenerate(request)
 
     def update_weights(self, *args, **kwargs):
         return self.inference.update_weights(*args, **kwargs)
+
+    def health(self):
+        return Health(servers=(self.base_url,), unreachable_since=self.lost_at)
+
+    def close(self):
+        self.inference.close()
 
 
 @pytest.mark.cross_cpu

@@ -11,6 +11,7 @@ import httpx
 from scripted_inference import ScriptedInference
 
 from llmrl.config import RunConfig, config_from_dict
+from llmrl.inference import Health
 from llmrl.server.env_server import create_env_app
 from llmrl.types import InferenceEndpoint
 
@@ -41,12 +42,15 @@ def arithmetic_reply(prompt: str, index: int) -> str:
 
 
 class ScriptedEndpoint(ScriptedInference):
-    """A `ScriptedInference` that also looks like an HTTP interface (it has a `base_url`)."""
+    """A `ScriptedInference` that also looks like an HTTP interface (it has a `base_url` to share)."""
 
     def __init__(self, reply=arithmetic_reply, *, base_url: str = INFERENCE_URL, model: str | None = "tiny"):
         super().__init__(reply)
         self.base_url = base_url
         self.model = model
+
+    def health(self) -> Health:
+        return Health(servers=(self.base_url,), shared_url=self.base_url, model=self.model)
 
 
 class RecordingFactory:

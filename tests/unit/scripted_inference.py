@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.agents import Problem, RewardOnlyAgent, make_prompt
-from llmrl.inference.interface import run_sync
+from llmrl.inference.interface import Health, run_sync
 from llmrl.types import ChatMessage, InferenceRequest, InferenceResponse
 
 COMPLETION_OFFSET = 100_000
@@ -92,6 +92,12 @@ class ScriptedInference:
         self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
     ) -> None:
         self.policy_version = version
+
+    def health(self) -> Health:
+        return Health()
+
+    def close(self) -> None:
+        pass
 
 
 class EchoAgent(RewardOnlyAgent):

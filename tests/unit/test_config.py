@@ -207,3 +207,16 @@ def test_trained_environments_may_only_use_sampling_options_the_trainer_follows(
         return
     with pytest.raises(ConfigError, match=message):
         config_from_dict({"environments": environments})
+
+
+def test_a_saved_config_with_the_old_vllm_bucket_setting_loads_as_the_one_bucket_setting(tmp_path, caplog):
+    from llmrl.config import load_config
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text("environments: [{agent_type: arithmetic}]\n"
+                     "inference: {weight_sync_bucket_mb: 512, vllm: {transport: http, bucket_mb: 64}}\n")  # fmt: skip
+    with caplog.at_level("WARNING"):
+        config = load_config(saved)
+    assert config.inference.weight_sync_bucket_mb == 64  # the smaller: every bound the run had still holds
+    assert "inference.vllm.bucket_mb is now inference.weight_sync_bucket_mb" in caplog.text
+    assert "bucket_mb" not in config.inference.vllm.model_dump()

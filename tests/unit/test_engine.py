@@ -34,10 +34,11 @@ from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference import build_inference
 from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.engine import LocalEngine
-from llmrl.inference.interface import InferenceInterface, weight_buckets
+from llmrl.inference.interface import InferenceInterface
 from llmrl.trainer.distributed import tied_duplicates
 from llmrl.trainer.optimization import sampling_params
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
+from llmrl.weights import weight_buckets
 
 CONTEXT = 160
 CHATML = (

@@ -7,6 +7,7 @@ import pytest
 
 from llmrl import cli
 from llmrl.agents import WeightedMultiTask, placeholder_rollout
+from llmrl.inference import Health
 from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.rollouts import InferenceUnavailableError, RolloutPipeline, inference_failure
 from llmrl.trainer.trainer import Trainer
@@ -46,13 +47,16 @@ class FailingServer(ScriptedInference):
     def __init__(self):
         super().__init__(lambda prompt, index: answer_of(prompt))
         self.down = False
-        self.unreachable_since = None
+        self.lost_at = None
 
     async def agenerate(self, request):
         if self.down:
-            self.unreachable_since = self.unreachable_since or time.time()
+            self.lost_at = self.lost_at or time.time()
             raise ConnectionRefusedError("connection refused")
         return await super().agenerate(request)
+
+    def health(self):
+        return Health(servers=(self.base_url,), unreachable_since=self.lost_at)
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -85,16 +89,19 @@ def test_a_refused_batch_is_not_banked_and_later_batches_are_not_drawn(tmp_path,
 def test_a_weight_sync_to_an_unreachable_server_stops_the_run_in_one_line():
     class DeadSync:
         base_url = "http://10.1.2.3:8000/v1"
-        unreachable_since = 1_700_000_000.0
+        lost_at = 1_700_000_000.0
 
         def update_weights(self, weights, version, reset=False):
             raise RuntimeError("weight sync failed: ConnectError")
+
+        def health(self):
+            return Health(servers=(self.base_url,), unreachable_since=self.lost_at)
 
     trainer = SimpleNamespace(distributed=None, is_main=True, inference=DeadSync(), _untied=dict,
                               policy=SimpleNamespace(state_dict=dict))  # fmt: skip
     with pytest.raises(InferenceUnavailableError, match=r"unreachable since .* \(weight sync of step 4: RuntimeError"):
         Trainer._sync_weights(trainer, 4)
-    trainer.inference.unreachable_since = None  # a server that answered: its error is not ours to rephrase
+    trainer.inference.lost_at = None  # a server that answered: its error is not ours to rephrase
     with pytest.raises(RuntimeError, match="^weight sync failed"):
         Trainer._sync_weights(trainer, 4)
 

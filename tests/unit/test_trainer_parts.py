@@ -567,3 +567,21 @@ def test_sampling_params_are_one_temperature_when_all_rollouts_agree_and_refuse_
         sampling_params([GenerationArgs(), GenerationArgs(repetition_penalty=1.2)], ["a", "math problem 3"])
     with pytest.raises(ValueError, match="decoded greedily"):
         sampling_params([GenerationArgs(temperature=0)], ["a"])
+
+
+def test_a_checkpoint_saved_with_the_old_vllm_bucket_setting_resumes_without_resume(tmp_path):
+    import yaml
+
+    from llmrl.config import config_from_dict, dump_config
+    from llmrl.trainer import checkpoint as ckpt
+    from llmrl.trainer.trainer import _checkpoint_to_resume
+
+    config = config_from_dict({"environments": [{"agent_type": "arithmetic"}], "run_dir": str(tmp_path)})
+    saved = yaml.safe_load(dump_config(config))
+    saved["inference"]["vllm"]["bucket_mb"] = 512  # as every config.yaml written before the rename holds it
+    folder = ckpt.checkpoints_dir(tmp_path) / "step_3"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    (folder / ckpt.TRAINER_STATE).write_text("")
+    assert _checkpoint_to_resume(config, force=False) == (3, folder)
+    assert config_from_dict(saved).inference.weight_sync_bucket_mb == 512  # and the saved file itself loads

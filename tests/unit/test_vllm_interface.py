@@ -12,7 +12,8 @@ import torch
 
 from llmrl.config import InferenceConfig, VLLMConfig, config_from_dict
 from llmrl.inference.openai import UnsupportedServerError, WeightSyncError
-from llmrl.inference.vllm import VLLMInterface, check_weights, find_vllm_python, weight_buckets
+from llmrl.inference.vllm import VLLMInterface, find_vllm_python
+from llmrl.weights import check_weights, weight_buckets
 
 STATE = {
     "model.embed_tokens.weight": torch.randn(8, 4),
@@ -56,8 +57,9 @@ class ScriptedVLLM:
         return httpx.Response(200, json={"status": "ok"})
 
 
-def interface(server: ScriptedVLLM, **config: Any) -> VLLMInterface:
-    return VLLMInterface(["http://vllm:8000"], config=VLLMConfig(**config), transport=httpx.MockTransport(server))
+def interface(server: ScriptedVLLM, bucket_mb: int = 512, **config: Any) -> VLLMInterface:
+    return VLLMInterface(["http://vllm:8000"], config=VLLMConfig(**config), bucket_mb=bucket_mb,
+                         transport=httpx.MockTransport(server))  # fmt: skip
 
 
 def test_a_sync_walks_vllm_rl_routes_in_order_and_confirms_the_version():
@@ -152,7 +154,7 @@ def test_buckets_are_bounded_and_never_split_a_layer():
 def test_config_picks_external_servers_from_base_url_and_validates_the_section():
     environments = [{"agent_type": "arithmetic"}]
     config = config_from_dict({"environments": environments, "inference": {
-        "type": "vllm", "base_url": ["http://a:1", "http://b:2"], "vllm": {"transport": "disk", "bucket_mb": 64}}})
+        "type": "vllm", "base_url": ["http://a:1", "http://b:2"], "weight_sync_bucket_mb": 64, "vllm": {"transport": "disk"}}})
     assert isinstance(config.inference, InferenceConfig) and config.inference.vllm.transport == "disk"
     with pytest.raises(ValueError, match="inference.vllm.transport"):
         config_from_dict({"environments": environments, "inference": {"vllm": {"transport": "carrier-pigeon"}}})
@@ -165,3 +167,86 @@ def test_a_configured_vllm_python_that_does_not_exist_is_named(tmp_path):
 
     with pytest.raises(VLLMStartError, match="inference.vllm.python"):
         find_vllm_python(str(tmp_path / "nope" / "python"))
+
+
+def test_an_incompatible_server_is_one_user_error_naming_every_missing_flag_and_the_command():
+    from llmrl.errors import UserError
+
+    server = ScriptedVLLM(logprobs_mode="raw_logprobs", weight_transfer_backend=None)
+    with pytest.raises(UserError) as refused:
+        interface(server)
+    message = str(refused.value)
+    assert "\n" not in message
+    lacks = message.split("lacks: ")[1].split(". Start it")[0]
+    assert "--logprobs-mode processed_logprobs" in lacks and "--weight-transfer-config" in lacks
+    assert "VLLM_SERVER_DEV_MODE" not in lacks and "--worker-extension-cls" not in lacks
+    assert message.endswith(
+        "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs --worker-extension-cls "
+        "llmrl.weights.vllm_worker.LlmrlWorkerExtension --weight-transfer-config '{\"backend\": \"llmrl\"}'"
+    )
+
+
+def test_llmrl_train_against_an_incompatible_server_exits_2_with_one_line(monkeypatch, capsys):
+    from llmrl import cli
+    from llmrl.inference.vllm import IncompatibleServerError
+
+    def refuse(*args, **kwargs):
+        raise IncompatibleServerError("vLLM at http://h:1 cannot be trained from; it lacks: X. Start it as: Y")
+
+    monkeypatch.setattr("llmrl.trainer.Trainer", refuse)
+    assert cli.main(["train"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_sync_to_a_server_that_stopped_answering_reports_it_unreachable():
+    server = ScriptedVLLM()
+    vllm = interface(server)
+    assert vllm.health().unreachable_since is None and vllm.health().servers == ("http://vllm:8000/v1",)
+
+    def dead(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    vllm._routes[0].settings = vllm._routes[0].settings.__class__(1, 1, transport=httpx.MockTransport(dead))
+    with pytest.raises(WeightSyncError, match="ConnectError"):
+        vllm.update_weights(STATE, version=1)
+    assert vllm.health().unreachable_since is not None
+
+
+class FakeServer:
+    """A managed server that dies when told to and comes back on `start`."""
+
+    def __init__(self):
+        self.up = True
+
+    def alive(self):
+        return self.up
+
+    def exit_description(self):
+        return "it was killed by SIGKILL"
+
+    def stop(self):
+        self.up = False
+
+    def start(self):
+        self.up = True
+
+    def close(self):
+        self.up = False
+
+
+def test_a_restarted_managed_server_is_announced_in_one_line(caplog):
+    server = ScriptedVLLM()
+    managed = FakeServer()
+    vllm = VLLMInterface(["http://vllm:8000"], config=VLLMConfig(), servers=[managed],
+                         transport=httpx.MockTransport(server))  # fmt: skip
+    vllm.update_weights(STATE, version=4)
+    managed.up = False
+    endpoint = vllm._endpoints[0]
+    with caplog.at_level("WARNING"):
+        for _ in range(8):  # many failed requests, one restart
+            assert vllm._recover(endpoint, "a request failed (ConnectError)")
+            managed.up = True
+    lines = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+    assert lines == ["vLLM server 0 at http://vllm:8000 restarted (restart 1 of 3): a request failed (ConnectError), "
+                     "it was killed by SIGKILL; given weights version 4"]  # fmt: skip
+    assert endpoint.restarts == 1 and server.weight_version == "4"

@@ -1,11 +1,11 @@
 """llmrl's code inside a vLLM server: a weight-transfer backend and a worker extension.
 
 vLLM loads this module into its worker processes when it is started with
-``--worker-extension-cls llmrl.vllm_extension.LlmrlWorkerExtension`` and
+``--worker-extension-cls llmrl.weights.vllm_worker.LlmrlWorkerExtension`` and
 ``--weight-transfer-config '{"backend": "llmrl"}'`` (llmrl's managed servers are; see
-docs/serving.md for an external one). It imports only torch, safetensors, vLLM and
-`llmrl.weight_checks` (torch only), so it runs in vLLM's own environment with llmrl installed
-there without dependencies (``pip install --no-deps``).
+docs/serving.md for an external one). It imports only torch, safetensors, vLLM and the narrow
+modules of `llmrl.weights` (torch and safetensors only), so it runs in vLLM's own environment with
+llmrl installed there without dependencies (``pip install --no-deps``).
 
 - The **backend** ("llmrl") receives weights through vLLM's RL routes
   (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), one bucket per
@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from llmrl.weight_checks import weight_problem
+from llmrl.weights.checks import Manifest, manifest_problem
 
 BACKEND = "llmrl"
 
@@ -91,7 +91,7 @@ class LlmrlWeightTransferEngine(WeightTransferEngine[LlmrlInitInfo, LlmrlUpdateI
         if sorted(tensors) != sorted(update_info.names):
             raise ValueError(f"update_info: the bucket holds {sorted(tensors)}, not the names sent")
         for name, tensor in tensors.items():
-            problem = bucket_tensor_problem(name, tensor, self.manifest)
+            problem = manifest_problem(name, tensor, self.manifest)
             if problem:
                 self.pending = {}
                 raise ValueError(f"update_info: {problem}")
@@ -134,15 +134,7 @@ def repack_tied_heads_on_cpu(model: torch.nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-def bucket_tensor_problem(name: str, tensor: torch.Tensor, manifest: dict[str, dict[str, Any]]) -> str:
-    """What is wrong with sending `tensor` as `name` to a server holding `manifest` ('' if nothing)."""
-    expected = manifest.get(name)
-    if expected is None:
-        return f"{name!r} is not a tensor of the served checkpoint"
-    return weight_problem(name, tensor, expected["shape"])
-
-
-def checkpoint_manifest(model: str) -> dict[str, dict[str, Any]]:
+def checkpoint_manifest(model: str) -> Manifest:
     """``{name: {"dtype", "shape"}}`` of every tensor in the safetensors files of `model` (a folder,
     or a hub id already in the local cache), read from the file headers only."""
     folder = Path(model)
@@ -150,7 +142,7 @@ def checkpoint_manifest(model: str) -> dict[str, dict[str, Any]]:
         from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(model, allow_patterns=["*.safetensors"], local_files_only=True))
-    manifest: dict[str, dict[str, Any]] = {}
+    manifest: Manifest = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)

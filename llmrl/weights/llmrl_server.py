@@ -1,0 +1,118 @@
+"""The transport to llmrl's inference server: ``POST /v1/weights`` with a file path or the file itself.
+
+With a `weights_dir` both sides read (a shared disk), a state dict is written there as
+``llmrl-policy-v{version}.safetensors`` and sent as a path relative to it (the previous such file
+is deleted once the server has loaded the next); without one, it is streamed in the request body.
+A path inside `weights_dir` (a file or a folder of shards) is sent as is; any other path must be a
+``.safetensors`` file, which is streamed. A stream of buckets is collected into one state dict
+first: the server takes one file per update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from llmrl.telemetry import atomic_write
+from llmrl.weights.buckets import safetensors_ready
+from llmrl.weights.transport import Weights, WeightSyncError, check_version
+
+_CHUNK_BYTES = 1 << 20
+
+Post = Callable[..., Awaitable[Any]]
+"""``post(path, **request)``: the server's decoded JSON answer to one POST, or `WeightSyncError`."""
+
+
+class LlmrlServerTransport:
+    """`WeightTransport` to one llmrl inference server; `version` is what it serves after the last send."""
+
+    def __init__(self, post: Post, run: Callable[[Coroutine[Any, Any, None]], None], weights_dir: Path | None):
+        """`post` sends one request to the server's API root; `run` runs a coroutine to its end
+        from synchronous code (the client's event-loop bridge)."""
+        self._post = post
+        self._run = run
+        self.weights_dir = weights_dir
+        self.version = 0
+        self._written_file: Path | None = None  # the last weights file written into weights_dir
+
+    def send(self, weights: Weights, version: int, *, reset: bool = False) -> None:
+        self._run(self.asend(weights, version, reset=reset))
+
+    async def asend(self, weights: Weights, version: int, *, reset: bool = False) -> None:
+        """The server refuses a version older than the one it serves, and takes the one it serves
+        as a no-op, unless `reset` is set."""
+        check_version(version)
+        target: dict[str, Any] = {"version": version, **({"reset": True} if reset else {})}
+        if isinstance(weights, dict):
+            await self._send_state_dict(weights, target)
+        elif not isinstance(weights, (str, Path)):  # buckets
+            await self._send_state_dict({k: v for bucket in weights for k, v in bucket.items()}, target)
+        else:
+            path = Path(weights).resolve()
+            if self._in_weights_dir(path):
+                await self._send_path(path, target)
+            elif path.is_file() and path.suffix == ".safetensors":
+                await self._stream_file(path, target)
+            else:
+                raise ValueError(
+                    f"state_dict_or_path: {path} is outside weights_dir, so it must be a .safetensors "
+                    "file to stream; pass a state dict or put the checkpoint in weights_dir"
+                )
+
+    async def _send_state_dict(self, state: dict[str, Any], target: dict[str, Any]) -> None:
+        version = target["version"]
+        if self.weights_dir is not None:
+            path = self.weights_dir / f"llmrl-policy-v{version}.safetensors"
+            await asyncio.to_thread(_write_safetensors, state, path, version)
+            await self._send_path(path, target)
+            previous, self._written_file = self._written_file, path
+            if previous is not None and previous != path:
+                previous.unlink(missing_ok=True)  # the server has loaded the new one; keep the folder small
+            return
+        from safetensors.torch import save_file
+
+        handle, name = tempfile.mkstemp(prefix="llmrl-weights-", suffix=".safetensors")
+        os.close(handle)
+        try:
+            metadata = {"policy_version": str(version)}
+            await asyncio.to_thread(save_file, safetensors_ready(state), name, metadata)
+            await self._stream_file(Path(name), target)
+        finally:
+            Path(name).unlink(missing_ok=True)
+
+    async def _send_path(self, path: Path, target: dict[str, Any]) -> None:
+        assert self.weights_dir is not None
+        # Relative: the server resolves it in its own weights_dir, wherever the shared disk is mounted there.
+        relative = path.relative_to(self.weights_dir).as_posix()
+        await self._sync(json={**target, "path": relative})
+
+    async def _stream_file(self, path: Path, target: dict[str, Any]) -> None:
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
+        await self._sync(params=target, headers=headers, content=_file_chunks(path))
+
+    async def _sync(self, **request: Any) -> None:
+        answer = await self._post("/weights", **request)
+        version = answer.get("policy_version") if isinstance(answer, dict) else None
+        if not isinstance(version, int):
+            raise WeightSyncError(f"weight sync: the server's answer has no policy_version: {answer!r}")
+        self.version = version
+
+    def _in_weights_dir(self, path: Path) -> bool:
+        return self.weights_dir is not None and self.weights_dir in path.parents
+
+
+def _write_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
+    """Write `state` to `path` whole or not at all (the server may read the folder at any time)."""
+    from safetensors.torch import save
+
+    atomic_write(path, save(safetensors_ready(state), metadata={"policy_version": str(version)}))
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    with open(path, "rb") as file:
+        while chunk := await asyncio.to_thread(file.read, _CHUNK_BYTES):
+            yield chunk
