@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmrl.types import Rollout, TokenRollout
+from llmrl.types import TokenRollout
 
 JsonRecord = dict[str, Any]
 
@@ -254,7 +254,7 @@ class RolloutLog:
     def __init__(self, path: str | Path, *, resume_step: int | None = None):
         self._jsonl = _JsonlAppender(path, resume_step)
 
-    def log(self, step: int, rollout: Rollout | TokenRollout | dict[str, Any], **extra: Any) -> None:
+    def log(self, step: int, rollout: TokenRollout | dict[str, Any], **extra: Any) -> None:
         _check_step(step)
         record = {"step": step, **_rollout_record(rollout)}
         clashes = sorted(set(record) & set(extra))
@@ -272,12 +272,12 @@ class RolloutLog:
         self.close()
 
 
-def _rollout_record(rollout: Rollout | TokenRollout | dict[str, Any]) -> JsonRecord:
+def _rollout_record(rollout: TokenRollout | dict[str, Any]) -> JsonRecord:
     if isinstance(rollout, dict):
         if "step" in rollout:
             raise ValueError("rollout: 'step' is reserved for the step number given to log()")
         return rollout
-    segments = rollout.trajectory if isinstance(rollout, Rollout) else rollout.text
+    segments = rollout.text
     return {
         "env_id": rollout.env_id,
         "problem_id": rollout.problem_id,

@@ -162,7 +162,7 @@ class EnvironmentService:
             correct_threshold=request.correct_threshold,
             generation_args=request.generation_args,
         )
-        return EvaluateResponse(results=results)
+        return EvaluateResponse(results={env_id: response.results for env_id, response in results.items()})
 
     def info(self) -> ServerInfo:
         """The environments (as configured, with problem counts) and the routes."""

@@ -15,7 +15,7 @@ from scripted_inference import (
     render,
 )
 
-from llmrl.agents import EpochSampler, Problem, make_prompt
+from llmrl.agents import EpochSampler, Problem, evaluation_metrics, make_prompt
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 
@@ -312,7 +312,7 @@ def test_evaluate_samples_held_out_problems_and_decodes_greedily():
     assert all(r.rewards == [1.0, 0.0, 0.0] and r.greedy_reward == 1.0 for r in response.results)
     temperatures = sorted({(r.n, r.generation_args.temperature) for r in inference.requests})
     assert temperatures == [(1, 0.0), (3, 0.8)]
-    metrics = response.metrics()
+    metrics = evaluation_metrics(response)
     assert metrics["greedy_accuracy"] == 1.0 and metrics["accuracy"] == pytest.approx(1 / 3)
 
 
