@@ -103,7 +103,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmrl.tasks.arithmetic import ArithmeticProblem
+    from llmrl.rewards.arithmetic import ArithmeticProblem
 
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 8
@@ -205,7 +205,7 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    from llmrl.tasks.arithmetic import ArithmeticProblem
+    from llmrl.rewards.arithmetic import ArithmeticProblem
 
     transformers.logging.set_verbosity_error()
     setting = spec.setting
@@ -410,12 +410,12 @@ def _register_long_plugins() -> None:
 def reward(workload: str, completion: str, problem: ArithmeticProblem) -> float:
     """The reward of both frameworks.
 
-    Natural: the task's own (`llmrl.tasks.arithmetic.score`: the first integer is the answer). Long
+    Natural: the task's own (`llmrl.rewards.arithmetic.score`: the first integer is the answer). Long
     completions run on past the answer, usually in digits, so that first integer would almost never
     match and, with every reward 0, llmrl would skip the forward and backward passes that TRL runs;
     they score 1 when they start with the answer, which keeps both sides training.
     """
-    from llmrl.tasks.arithmetic import score
+    from llmrl.rewards.arithmetic import score
 
     if workload == "long":
         return 1.0 if completion.lstrip().startswith(str(problem.answer)) else 0.0

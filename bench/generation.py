@@ -43,7 +43,7 @@ from llmrl.inference.decoder import build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.models import load_model
-from llmrl.tasks.arithmetic import prompt_messages, sample_problems
+from llmrl.rewards.arithmetic import prompt_messages, sample_problems
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 ROWS_PER_CALL = 64

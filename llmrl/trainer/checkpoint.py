@@ -44,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from llmrl.files import move_into_place
+
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-"
 TRAINER_STATE = "trainer_state.pt"
@@ -153,9 +155,7 @@ def finish_checkpoint(run_dir: str | Path, step: int, temp: Path, *, keep_last: 
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     _fsync_tree(temp)
-    if final.exists():  # re-saving a step after a resume: the new copy replaces the old one
-        shutil.rmtree(final)
-    os.replace(temp, final)
+    move_into_place(temp, final)  # re-saving a step after a resume: the new copy replaces the old one
     _fsync_dir(root)
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -39,12 +39,13 @@ import yaml
 from llmrl.agents import build_agents
 from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
+from llmrl.files import atomic_write
 from llmrl.inference import build_inference, close_inference, run_sync
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
-from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, atomic_write, read_metrics, use_tracer
+from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, read_metrics, use_tracer
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.bank import BANK_FILE, RolloutBank
 from llmrl.trainer.distributed import Distributed, tied_duplicates

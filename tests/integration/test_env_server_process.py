@@ -11,7 +11,7 @@ from servers import serving
 from llmrl.agents import PassAtKAgent, evaluation_metrics
 from llmrl.agents.remote import RemoteAgent
 from llmrl.envs.arithmetic import ArithmeticAgent
-from llmrl.http_client import free_port
+from llmrl.processes import free_port
 from llmrl.types import GenerationArgs
 
 pytestmark = pytest.mark.slow
