@@ -52,7 +52,7 @@ matmul peak measured in the same run; and, for the natural workload, held-out sa
 (pass@1) and greedy accuracy before and after the N steps, both measured with llmrl's evaluation
 (`llmrl.evaluation.evaluate_environments`, what `llmrl eval` runs) on each framework's saved model.
 Figures are medians over repeats; ratios are llmrl / TRL within a repeat, median over repeats.
-Each table ends with the issue's targets (llmrl >= 2x as fast per step on natural, >= 3x on long,
+Each table ends with the targets it checks (llmrl >= 2x as fast per step on natural, >= 3x on long,
 peak memory no higher, held-out accuracy at least as high), met or missed. Also saved:
 ``OUT/reward_curves.png`` (mean training reward per step of both frameworks, mean over repeats).
 The share of the CPUs that other processes used during each run is measured (Linux /proc/stat)
@@ -621,7 +621,7 @@ def table(
 def verdict(
     setting: Setting, runs: dict[str, list[Figures]], accuracy: dict[str, list[dict[str, float]]] | None
 ) -> str:
-    """The issue's targets for this setting, met or not."""
+    """The targets of this setting (llmrl's speed, memory and accuracy against TRL's), met or not."""
     speedup = statistics.median(
         tr.step_s / ll.step_s for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True)
     )
