@@ -19,7 +19,7 @@ from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, Rollout
 
 @dataclass(frozen=True)
 class Problem:
-    """One task instance: what the model is asked and what the reward checks against."""
+    """One problem of a task: what the model is asked and what the reward checks against."""
 
     id: str
     """Stable identifier, unique within its environment (shows up in rollouts and logs)."""
