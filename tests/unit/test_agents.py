@@ -170,9 +170,9 @@ def test_a_hanging_reward_times_out_without_holding_up_the_batch():
 
 
 def test_env_workers_are_reused_and_a_hung_call_keeps_only_its_own():
-    from llmrl.agents.reward_only import _DaemonWorkers
+    from llmrl.agents.workers import DaemonWorkers
 
-    workers = _DaemonWorkers(idle_s=0.3)
+    workers = DaemonWorkers(idle_s=0.3)
     release = threading.Event()
     done: list[int] = []
     workers.submit(release.wait)  # hangs until released: its worker stays busy
