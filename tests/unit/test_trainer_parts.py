@@ -257,7 +257,7 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     assert sum(p.num_tokens for p in packed) < sum(len(s) for s in batch.sequences)
 
 
-def test_forward_costs_count_the_layers_and_the_attention_width():
+def test_the_forward_flops_count_the_layers_and_the_attention_width():
     policy = tiny_policy()  # 2 layers, hidden 32, 4 heads of 8, input and output embeddings 48 x 32 each
     assert not policy.config.tie_word_embeddings
     shape = ModelShape.of(policy)
