@@ -52,7 +52,7 @@ matmul peak measured in the same run; and, for the natural workload, held-out sa
 (pass@1) and greedy accuracy before and after the N steps, both measured with llmrl's evaluation
 (`llmrl.evaluation.evaluate_environments`, what `llmrl eval` runs) on each framework's saved model.
 Figures are medians over repeats; ratios are llmrl / TRL within a repeat, median over repeats.
-Each table ends with the issue's targets (llmrl >= 2x as fast per step on natural, >= 3x on long,
+Each table ends with the targets it checks (llmrl >= 2x as fast per step on natural, >= 3x on long,
 peak memory no higher, held-out accuracy at least as high), met or missed. Also saved:
 ``OUT/reward_curves.png`` (mean training reward per step of both frameworks, mean over repeats).
 The share of the CPUs that other processes used during each run is measured (Linux /proc/stat)
@@ -103,7 +103,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmrl.tasks.arithmetic import ArithmeticProblem
+    from llmrl.models.shape import ModelShape
+    from llmrl.rewards.arithmetic import ArithmeticProblem
 
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 8
@@ -205,7 +206,7 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    from llmrl.tasks.arithmetic import ArithmeticProblem
+    from llmrl.rewards.arithmetic import ArithmeticProblem
 
     transformers.logging.set_verbosity_error()
     setting = spec.setting
@@ -410,12 +411,12 @@ def _register_long_plugins() -> None:
 def reward(workload: str, completion: str, problem: ArithmeticProblem) -> float:
     """The reward of both frameworks.
 
-    Natural: the task's own (`llmrl.tasks.arithmetic.score`: the first integer is the answer). Long
+    Natural: the task's own (`llmrl.rewards.arithmetic.score`: the first integer is the answer). Long
     completions run on past the answer, usually in digits, so that first integer would almost never
     match and, with every reward 0, llmrl would skip the forward and backward passes that TRL runs;
     they score 1 when they start with the answer, which keeps both sides training.
     """
-    from llmrl.tasks.arithmetic import score
+    from llmrl.rewards.arithmetic import score
 
     if workload == "long":
         return 1.0 if completion.lstrip().startswith(str(problem.answer)) else 0.0
@@ -432,48 +433,27 @@ def _version(package: str) -> str:
 # FLOPs and the matmul peak
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP count needs of the model."""
+def model_shape(model_dir: str) -> ModelShape:
+    import transformers
 
-    body: int  # parameters outside the embedding and the output head
-    head: int  # output head parameters (vocab x hidden)
-    layers: int
-    attention_width: int  # query heads x head dim
+    from llmrl.models.shape import ModelShape
 
-    @classmethod
-    def of(cls, model_dir: str) -> ModelShape:
-        import transformers
+    return ModelShape.of(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"))
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        embedding = model.get_input_embeddings().weight.numel()
-        head = model.get_output_embeddings().weight.numel()
-        body = (
-            sum(p.numel() for p in model.parameters())
-            - embedding
-            - (0 if config.tie_word_embeddings else head)
-        )
-        return cls(body, head, config.num_hidden_layers, config.num_attention_heads * head_dim)
 
-    def attention(self, queries: int, context_before: int = 0) -> float:
-        """q.k and p.v FLOPs of `queries` consecutive causal positions after `context_before` others."""
-        attended = queries * context_before + queries * (queries + 1) / 2
-        return 4 * self.layers * self.attention_width * attended
-
-    def step_flops(self, lengths: list[list[int]], beta: float) -> float:
-        """Useful FLOPs of one GRPO step from its rollouts' (prompt, completion) lengths, groups contiguous."""
-        flops = 0.0
-        for index, (prompt, completion) in enumerate(lengths):
-            if index % GROUP_SIZE == 0:  # generation: the group's prompt once, logits of its last token
-                flops += 2 * self.body * prompt + 2 * self.head + self.attention(prompt)
-            fed_back = completion - 1  # generation: every completion token but the last
-            flops += 2 * (self.body + self.head) * fed_back + self.attention(fed_back, prompt + 1)
-            forward = 2 * self.body * (prompt + completion) + 2 * self.head * completion
-            forward += self.attention(prompt + completion)
-            flops += forward * (3 + (1 if beta > 0 else 0))  # forward + backward, reference forward
-        return flops
+def step_flops(shape: ModelShape, lengths: list[list[int]], beta: float) -> float:
+    """Useful FLOPs of one GRPO step from its rollouts' (prompt, completion) lengths, groups contiguous."""
+    body, head = shape.body, shape.lm_head
+    flops = 0.0
+    for index, (prompt, completion) in enumerate(lengths):
+        if index % GROUP_SIZE == 0:  # generation: the group's prompt once, logits of its last token
+            flops += 2 * body * prompt + 2 * head + shape.attention_flops(prompt)
+        fed_back = completion - 1  # generation: every completion token but the last
+        flops += 2 * (body + head) * fed_back + shape.attention_flops(fed_back, prompt + 1)
+        forward = 2 * body * (prompt + completion) + 2 * head * completion
+        forward += shape.attention_flops(prompt + completion)
+        flops += forward * (3 + (1 if beta > 0 else 0))  # forward + backward, reference forward
+    return flops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +562,7 @@ def figures(result: dict[str, Any], shape: ModelShape, beta: float) -> Figures:
         rest_s=statistics.median(s["step_s"] - s["generate_s"] - s["reward_s"] for s in timed),
         tokens_per_step=statistics.median(tokens),
         tokens_per_s=statistics.median(t / s["step_s"] for t, s in zip(tokens, timed, strict=True)),
-        flops_per_s=statistics.median(shape.step_flops(s["lengths"], beta) / s["step_s"] for s in timed),
+        flops_per_s=statistics.median(step_flops(shape, s["lengths"], beta) / s["step_s"] for s in timed),
         peak_rss_mib=result["peak_rss_mib"],
     )
 
@@ -641,7 +621,7 @@ def table(
 def verdict(
     setting: Setting, runs: dict[str, list[Figures]], accuracy: dict[str, list[dict[str, float]]] | None
 ) -> str:
-    """The issue's targets for this setting, met or not."""
+    """The targets of this setting (llmrl's speed, memory and accuracy against TRL's), met or not."""
     speedup = statistics.median(
         tr.step_s / ll.step_s for ll, tr in zip(runs["llmrl"], runs["trl"], strict=True)
     )
@@ -897,12 +877,12 @@ def main(argv: list[str] | None = None) -> None:
     ]
     prompts_file = out / "prompts.jsonl"
     write_prompts(prompts_file, max(s.steps for s in settings) * PROMPTS_PER_STEP, args.seed)
-    shape = ModelShape.of(model_dir)
+    shape = model_shape(model_dir)
     from generation import matmul_peak  # bench/generation.py, beside this script
 
     peak = matmul_peak()
     print(
-        f"model {model_dir} ({shape.body + shape.head:,} weights), prompts {prompts_file}, "
+        f"model {model_dir} ({shape.body + shape.lm_head:,} weights), prompts {prompts_file}, "
         f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, {os.cpu_count()} CPUs",
         flush=True,
     )

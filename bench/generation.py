@@ -43,7 +43,8 @@ from llmrl.inference.decoder import build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.models import load_model
-from llmrl.tasks.arithmetic import prompt_messages, sample_problems
+from llmrl.models.shape import ModelShape
+from llmrl.rewards.arithmetic import prompt_messages, sample_problems
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 ROWS_PER_CALL = 64
@@ -206,21 +207,15 @@ def _cache_bytes(cache) -> int:
 
 def model_flops(model, completions: list[tuple[int, int]], groups: list[Group]) -> float:
     """Useful forward FLOPs: 2 x weights per token, causal attention, each group's prompt once."""
-    config = model.config
-    layers = config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention_width = config.num_attention_heads * head_dim  # q.k and p.v: 2 x 2 FLOPs per position and width
-    embedding = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings().weight.numel()
-    body = sum(p.numel() for p in model.parameters()) - embedding - (0 if config.tie_word_embeddings else head)
+    shape = ModelShape.of(model)
+    body, head = shape.body, shape.lm_head
     flops = 0.0
     for group in groups:  # prefill: body on every prompt token, the head on the last one
         length = len(group.prompt_ids)
-        flops += 2 * body * length + 2 * head + 4 * layers * attention_width * length * (length + 1) / 2
+        flops += 2 * body * length + 2 * head + shape.attention_flops(length)
     for prompt, completion in completions:  # decode: every completion token but the last is fed back
         steps = completion - 1
-        context = steps * prompt + steps * (steps + 1) / 2  # positions attended, summed over the steps
-        flops += 2 * (body + head) * steps + 4 * layers * attention_width * context
+        flops += 2 * (body + head) * steps + shape.attention_flops(steps, prompt)
     return flops
 
 

@@ -42,8 +42,9 @@ from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.models import tiny_model_path
 from llmrl.models.loading import enable_activation_checkpointing
+from llmrl.models.shape import ModelShape
 from llmrl.trainer.memory import GB, MemorySettings, PeakMemory, plan_memory
-from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, forward_costs
+from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.rollouts import prepare_batch
 from llmrl.trainer.trainer import _deterministic_algorithms
 from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup, TokenRollout
@@ -102,17 +103,15 @@ def forward_flops(model: torch.nn.Module, lengths: list[tuple[int, int]], shared
     """Forward FLOPs of scoring `(prompt, completion)` pairs: weights x tokens (the LM head on the
     completion only) plus causal attention; `shared_prompts` prompts are encoded once per group
     (generation), 0 means every row encodes its own prompt (training)."""
-    token_cost, pair_cost = forward_costs(model)
-    head = 2.0 * model.get_output_embeddings().weight.numel()
+    shape = ModelShape.of(model)
     flops = 0.0
     for prompt, completion in lengths:
-        total = prompt + completion
-        encoded = completion if shared_prompts else total
-        flops += token_cost * encoded + head * completion
-        flops += pair_cost * (total * (total + 1) / 2 - (prompt * (prompt + 1) / 2 if shared_prompts else 0))
+        encoded = completion if shared_prompts else prompt + completion
+        flops += shape.token_flops * encoded + 2.0 * shape.lm_head * completion
+        flops += shape.attention_flops(encoded, prompt + completion - encoded)
     if shared_prompts:
         prompt = lengths[0][0]
-        flops += shared_prompts * (token_cost * prompt + pair_cost * prompt * (prompt + 1) / 2)
+        flops += shared_prompts * (shape.token_flops * prompt + shape.attention_flops(prompt))
     return flops
 
 

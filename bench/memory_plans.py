@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from llmrl.config import RunConfig, load_config  # noqa: E402
 from llmrl.models.loading import DTYPES  # noqa: E402
-from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, ModelShape  # noqa: E402
+from llmrl.models.shape import ModelShape  # noqa: E402
+from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings  # noqa: E402
 
 H100_BYTES = 80 * 10**9
 

@@ -31,9 +31,9 @@ import httpx
 import torch
 import transformers
 
-from llmrl.http_client import free_port
 from llmrl.inference.openai import OpenAIInterface
 from llmrl.models import tiny_model_path
+from llmrl.processes import free_port
 
 
 @contextlib.contextmanager

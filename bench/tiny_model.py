@@ -20,7 +20,7 @@ import torch
 
 from llmrl.models import TINY_MODELS, build_tiny_model, load_model
 from llmrl.models.tiny import evaluate_accuracy
-from llmrl.tasks.arithmetic import sample_problems
+from llmrl.rewards.arithmetic import sample_problems
 
 
 def main() -> None:

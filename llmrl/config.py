@@ -7,8 +7,9 @@ type are `ConfigError`s that name the dotted path of the field and the file it c
 
     training.lr: expected a number, got 'fast' (in examples/arithmetic.yaml)
 
-The defaults are general starting points; `demo_config()`, what ``llmrl train`` runs when given
-no config file, holds the settings vetted on the built-in arithmetic task with the tiny model.
+The defaults are general starting points; the built-in demo (`DEMO_CONFIG`, llmrl/demo.yaml), what
+``llmrl train`` runs when given no config file, holds the settings vetted on the built-in arithmetic
+task with the tiny model.
 """
 
 from __future__ import annotations
@@ -392,21 +393,14 @@ class RunConfig(Section):
             )
 
 
-def demo_config() -> RunConfig:
-    """The built-in demo: the tiny model learns 2-digit addition with GRPO (vetted on 2 CPU cores).
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+"""The built-in demo's config file, what ``llmrl train`` runs when given none (examples/arithmetic.yaml
+links to it)."""
 
-    The tiny model is small and its task is easy to score, so it takes a learning rate and batch far
-    larger than the general defaults (which are meant for billion-parameter models).
-    """
-    return RunConfig(
-        environments=[EnvironmentConfig(agent_type="arithmetic", agent_args={"digits": 2})],
-        # A step's 32 x 8 rollouts decode as one batch: the tiny model's cache is a few MB.
-        inference=InferenceConfig(max_concurrent=256),
-        # 300 steps decaying on a cosine: a slower-learning build of the tiny model (another processor's)
-        # gained +28 points in the 200 constant-rate steps that lift the shipped one +61, and +42 with these.
-        training=TrainingConfig(steps=300, prompts_per_step=32, group_size=8, lr=3e-4, lr_schedule="cosine"),
-        evaluation=EvaluationConfig(every=50),
-    )
+
+def demo_config() -> RunConfig:
+    """The built-in demo (`DEMO_CONFIG`): the tiny model learns 2-digit addition with GRPO."""
+    return load_config(None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,18 +543,14 @@ def config_from_dict(data: dict[str, Any], source: str | None = None) -> RunConf
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (or the built-in demo when `path` is None) and apply ``--set`` overrides."""
-    if path is None:
-        data = demo_config().model_dump(mode="json", exclude_unset=True)
-        source = "built-in demo config"
-    else:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        source = str(path)
+    source = "built-in demo config" if path is None else str(path)
+    path = DEMO_CONFIG if path is None else Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if overrides:
         if not isinstance(data, dict):
             raise ConfigError(f"<root>: expected a mapping of sections (in {source})")

@@ -2,7 +2,7 @@
 
 Shared by `llmrl eval` and the trainer (at the start, every `evaluation.every` steps, at the end).
 A sample whose inference or reward failed is not scored as a wrong answer: it is counted in
-``failed_samples`` and left out of the other metrics (`llmrl.types.EvaluationResponse.metrics`).
+``failed_samples`` and left out of the other metrics (`llmrl.agents.pass_at_k.evaluation_metrics`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 
 from rich.table import Table
 
-from llmrl.agents import WeightedMultiTask
+from llmrl.agents import WeightedMultiTask, evaluation_metrics
 from llmrl.config import EvaluationConfig
 from llmrl.inference.interface import InferenceInterface
 from llmrl.types import GenerationArgs
@@ -38,7 +38,7 @@ async def evaluate_environments(
         correct_threshold=config.correct_threshold,
         generation_args=generation_args,
     )
-    summary = {env_id: {"problems": float(len(r.results)), **r.metrics()} for env_id, r in responses.items()}
+    summary = {env_id: {"problems": float(len(r.results)), **evaluation_metrics(r)} for env_id, r in responses.items()}
     for env_id, metrics in summary.items():
         if metrics.get("failed_samples"):
             log.warning("%s: %d evaluation sample(s) failed and were not scored (see the warnings above)",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -131,10 +130,3 @@ def error_message(response: httpx.Response) -> str:
             if key in data:
                 return str(data[key])
     return str(data)[:500]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on now (for a server to bind, or a rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 import weakref
@@ -37,7 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmrl.types import Rollout, TokenRollout
+from llmrl.files import atomic_write
+from llmrl.types import TokenRollout
 
 JsonRecord = dict[str, Any]
 
@@ -57,23 +57,6 @@ def _json_safe(value: Any) -> Any:
 
 def _json_line(record: JsonRecord) -> str:
     return json.dumps(_json_safe(record), allow_nan=False, ensure_ascii=False) + "\n"
-
-
-def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """Write through a temporary file in the same folder and rename it, so readers never see half a file.
-
-    The file is readable by all (0644) like other run outputs, not private like the temporary file.
-    """
-    path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, path)
-    except BaseException:
-        os.unlink(tmp_name)
-        raise
 
 
 def read_jsonl(
@@ -254,7 +237,7 @@ class RolloutLog:
     def __init__(self, path: str | Path, *, resume_step: int | None = None):
         self._jsonl = _JsonlAppender(path, resume_step)
 
-    def log(self, step: int, rollout: Rollout | TokenRollout | dict[str, Any], **extra: Any) -> None:
+    def log(self, step: int, rollout: TokenRollout | dict[str, Any], **extra: Any) -> None:
         _check_step(step)
         record = {"step": step, **_rollout_record(rollout)}
         clashes = sorted(set(record) & set(extra))
@@ -272,12 +255,12 @@ class RolloutLog:
         self.close()
 
 
-def _rollout_record(rollout: Rollout | TokenRollout | dict[str, Any]) -> JsonRecord:
+def _rollout_record(rollout: TokenRollout | dict[str, Any]) -> JsonRecord:
     if isinstance(rollout, dict):
         if "step" in rollout:
             raise ValueError("rollout: 'step' is reserved for the step number given to log()")
         return rollout
-    segments = rollout.trajectory if isinstance(rollout, Rollout) else rollout.text
+    segments = rollout.text
     return {
         "env_id": rollout.env_id,
         "problem_id": rollout.problem_id,

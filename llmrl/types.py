@@ -181,8 +181,13 @@ class InferenceResponse(WireModel):
         return self
 
 
-class _RolloutBase(WireModel):
-    """Fields every rollout carries, whatever form its trajectory takes."""
+class TokenRollout(WireModel):
+    """A token trajectory split into segments (prompt, model turn, user turn, model turn, ...).
+
+    `generation_mask[s][i]` is True exactly for tokens the model sampled; `logprobs[s][i]` is the
+    inference engine's logprob for those tokens and 0.0 elsewhere. The token ids are the exact ids
+    the engine produced: earlier turns are never re-tokenised.
+    """
 
     reward: float = 0.0
     reward_components: dict[str, float] = Field(
@@ -194,6 +199,15 @@ class _RolloutBase(WireModel):
     failure_reason: str | None = None
     truncated: bool = Field(False, description="True when the last generation hit max_tokens.")
     policy_version: int = Field(0, ge=0, description="Oldest weight version used in the trajectory.")
+    kind: Literal["token"] = "token"
+    """The trajectory's form; token ids are the only one (saved rollout banks carry the field)."""
+    trajectory: list[list[int]]
+    generation_mask: list[list[bool]]
+    logprobs: list[list[float]] | None = None
+    generation_args: GenerationArgs | None = Field(
+        None, description="How the model turns were sampled: the trainer takes its logprobs of the same distribution."
+    )
+    text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
 
     @field_validator("reward")
     @classmethod
@@ -214,46 +228,6 @@ class _RolloutBase(WireModel):
     def is_valid(self) -> bool:
         """True for rollouts that take part in group statistics and the loss."""
         return self.status == "ok"
-
-
-class Rollout(_RolloutBase):
-    """A text trajectory: prompt first, then alternating model / environment turns.
-
-    For logs (`RolloutLog`) only: the trainer needs the sampled token ids and their logprobs, so a
-    `RolloutGroup` takes `TokenRollout`s and refuses text ones.
-    """
-
-    kind: Literal["text"] = "text"
-    trajectory: list[str]
-
-
-class TokenRollout(_RolloutBase):
-    """A token trajectory split into segments (prompt, model turn, user turn, model turn, ...).
-
-    `generation_mask[s][i]` is True exactly for tokens the model sampled; `logprobs[s][i]` is the
-    inference engine's logprob for those tokens and 0.0 elsewhere. The token ids are the exact ids
-    the engine produced: earlier turns are never re-tokenised.
-    """
-
-    kind: Literal["token"] = "token"
-    trajectory: list[list[int]]
-    generation_mask: list[list[bool]]
-    logprobs: list[list[float]] | None = None
-    generation_args: GenerationArgs | None = Field(
-        None, description="How the model turns were sampled: the trainer takes its logprobs of the same distribution."
-    )
-    text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _not_text(cls, data: Any) -> Any:
-        kind = data.get("kind") if isinstance(data, dict) else getattr(data, "kind", None)
-        if kind == "text":
-            raise ValueError(
-                "a text rollout (kind 'text') cannot be trained on: send a TokenRollout (kind 'token') with the "
-                "trajectory's token ids per segment, its generation_mask and the inference logprobs"
-            )
-        return data
 
     @model_validator(mode="after")
     def _segments_line_up(self) -> TokenRollout:
@@ -313,61 +287,14 @@ class EvaluationResult(WireModel):
         return self
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k samples drawn without replacement from n is correct.
-
-    The unbiased estimator of Chen et al., "Evaluating Large Language Models Trained on Code" (2021):
-    pass@k = 1 - C(n-c, k) / C(n, k). The ratio of binomials is evaluated as a running product,
-    prod_{i=n-c+1}^{n} (1 - k/i), which never forms the (huge) binomial coefficients and so stays
-    exact to float precision for any n.
-    """
-    if not 0 <= c <= n:
-        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
-    if not 1 <= k <= n:
-        raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
-    if n - c < k:
-        return 1.0
-    failure = 1.0
-    for i in range(n - c + 1, n + 1):
-        failure *= 1.0 - k / i
-    return 1.0 - failure
-
-
 class EvaluationResponse(WireModel):
-    """All evaluation results of one environment, and the metrics derived from them."""
+    """All evaluation results of one environment, and the settings its metrics are derived with
+    (`llmrl.agents.pass_at_k.evaluation_metrics`)."""
 
     env_id: str
     results: list[EvaluationResult]
     correct_threshold: float = Field(1.0, description="A sample counts as correct when reward >= this.")
     ks: list[int] = Field(default_factory=lambda: [1], description="k values to report pass@k for.")
-
-    def metrics(self) -> dict[str, float]:
-        """Mean reward, sampled accuracy, unbiased pass@k, greedy accuracy and the failed samples.
-
-        Failed samples are not scored: the rest are, and a problem left with fewer than k scored
-        samples has no pass@k. `failed_samples` says how many there were (0 when none).
-        """
-        metrics: dict[str, float] = {}
-        if not self.results:
-            return metrics
-        metrics["failed_samples"] = float(sum(result.failed for result in self.results))
-        all_rewards = [r for result in self.results for r in result.rewards]
-        if all_rewards:
-            metrics["reward_mean"] = sum(all_rewards) / len(all_rewards)
-            metrics["accuracy"] = sum(r >= self.correct_threshold for r in all_rewards) / len(all_rewards)
-        for k in self.ks:
-            per_problem = []
-            for result in self.results:
-                n = len(result.rewards)
-                if k <= n:
-                    correct = sum(r >= self.correct_threshold for r in result.rewards)
-                    per_problem.append(pass_at_k(n, correct, k))
-            if per_problem:
-                metrics[f"pass@{k}"] = sum(per_problem) / len(per_problem)
-        greedy = [result.greedy_reward for result in self.results if result.greedy_reward is not None]
-        if greedy:
-            metrics["greedy_accuracy"] = sum(r >= self.correct_threshold for r in greedy) / len(greedy)
-        return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +366,9 @@ class EvaluateRequest(WireModel):
 
 
 class EvaluateResponse(WireModel):
-    results: dict[str, EvaluationResponse]
+    results: dict[str, list[EvaluationResult]]
+    """env_id -> its per-problem results. The pass@k settings are the request's, so they are not sent
+    back: the caller computes its metrics with its own (`llmrl.agents.pass_at_k.evaluation_metrics`)."""
 
 
 class EnvironmentInfo(WireModel):

@@ -2,7 +2,7 @@
 
 from llmrl.agents.base import Agent, Problem, has_signal, make_prompt, placeholder_rollout
 from llmrl.agents.multi_task import WeightedMultiTask, build_agent, build_agents, largest_remainder
-from llmrl.agents.pass_at_k import PassAtKAgent, pass_at_k
+from llmrl.agents.pass_at_k import PassAtKAgent, evaluation_metrics, pass_at_k
 from llmrl.agents.reward_only import RewardOnlyAgent
 from llmrl.agents.sampler import EpochSampler
 
@@ -15,6 +15,7 @@ __all__ = [
     "WeightedMultiTask",
     "build_agent",
     "build_agents",
+    "evaluation_metrics",
     "has_signal",
     "largest_remainder",
     "make_prompt",

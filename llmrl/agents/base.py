@@ -14,12 +14,12 @@ from typing import Any
 
 from llmrl.inference.interface import InferenceInterface
 from llmrl.seeding import derive_seed
-from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, Rollout, RolloutGroup, TokenRollout
+from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, RolloutGroup, TokenRollout
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One task instance: what the model is asked and what the reward checks against."""
+    """One problem of a task: what the model is asked and what the reward checks against."""
 
     id: str
     """Stable identifier, unique within its environment (shows up in rollouts and logs)."""
@@ -62,7 +62,7 @@ INFERENCE_FAILURE = "inference:"
 """How the `failure_reason` of a placeholder begins when its inference call failed."""
 
 
-def failed_in_inference(rollout: Rollout | TokenRollout) -> bool:
+def failed_in_inference(rollout: TokenRollout) -> bool:
     """True for a placeholder standing in for a rollout whose inference call failed (not its reward)."""
     return not rollout.is_valid and (rollout.failure_reason or "").startswith(INFERENCE_FAILURE)
 

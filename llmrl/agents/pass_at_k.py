@@ -1,8 +1,5 @@
-"""pass@k evaluation: an agent wrapper that reports it.
-
-The unbiased estimator `pass_at_k` (Chen et al., 2021) lives beside the wire type whose `metrics()`
-use it, `llmrl.types.EvaluationResponse`, and is re-exported here.
-"""
+"""pass@k evaluation: the unbiased estimator, the metrics of an evaluation, and an agent wrapper that
+sets the n and ks they are computed with."""
 
 from __future__ import annotations
 
@@ -11,16 +8,64 @@ from typing import Any
 
 from llmrl.agents.base import Agent
 from llmrl.inference.interface import InferenceInterface
-from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup, pass_at_k
+from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup
 
-__all__ = ["PassAtKAgent", "pass_at_k"]
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n is correct.
+
+    The unbiased estimator of Chen et al., "Evaluating Large Language Models Trained on Code" (2021):
+    pass@k = 1 - C(n-c, k) / C(n, k). The ratio of binomials is evaluated as a running product,
+    prod_{i=n-c+1}^{n} (1 - k/i), which never forms the (huge) binomial coefficients and so stays
+    exact to float precision for any n.
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
+    if n - c < k:
+        return 1.0
+    failure = 1.0
+    for i in range(n - c + 1, n + 1):
+        failure *= 1.0 - k / i
+    return 1.0 - failure
+
+
+def evaluation_metrics(response: EvaluationResponse) -> dict[str, float]:
+    """Mean reward, sampled accuracy, unbiased pass@k, greedy accuracy and the failed samples.
+
+    Failed samples are not scored: the rest are, and a problem left with fewer than k scored
+    samples has no pass@k. `failed_samples` says how many there were (0 when none).
+    """
+    metrics: dict[str, float] = {}
+    if not response.results:
+        return metrics
+    threshold = response.correct_threshold
+    metrics["failed_samples"] = float(sum(result.failed for result in response.results))
+    all_rewards = [r for result in response.results for r in result.rewards]
+    if all_rewards:
+        metrics["reward_mean"] = sum(all_rewards) / len(all_rewards)
+        metrics["accuracy"] = sum(r >= threshold for r in all_rewards) / len(all_rewards)
+    for k in response.ks:
+        per_problem = []
+        for result in response.results:
+            n = len(result.rewards)
+            if k <= n:
+                correct = sum(r >= threshold for r in result.rewards)
+                per_problem.append(pass_at_k(n, correct, k))
+        if per_problem:
+            metrics[f"pass@{k}"] = sum(per_problem) / len(per_problem)
+    greedy = [result.greedy_reward for result in response.results if result.greedy_reward is not None]
+    if greedy:
+        metrics["greedy_accuracy"] = sum(r >= threshold for r in greedy) / len(greedy)
+    return metrics
 
 
 class PassAtKAgent(Agent):
     """Evaluates a wrapped agent with n samples per problem: pass@k for each k, greedy accuracy, mean reward.
 
     Training calls go straight to the wrapped agent. A sample counts as correct when its reward is
-    at least `correct_threshold`; the metrics come from `EvaluationResponse.metrics()`.
+    at least `correct_threshold`; `evaluation_metrics` computes the metrics.
     """
 
     def __init__(

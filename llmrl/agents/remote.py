@@ -193,7 +193,7 @@ class RemoteAgent(Agent):
         if target not in reply.results:
             raise RemoteError(f"{self.url}: evaluation answer has no results for {target!r}")
         # pass@k settings are the caller's business (`PassAtKAgent` sets its own ks and threshold).
-        return reply.results[target].model_copy(update={"env_id": self.env_id})
+        return EvaluationResponse(env_id=self.env_id, results=reply.results[target])
 
     def check_problems(self) -> None:
         """Ask the server for its environments now: fails fast if it is unreachable or lacks ours."""

@@ -31,8 +31,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import os
-import queue
 import random
 import threading
 from abc import abstractmethod
@@ -44,6 +42,7 @@ from pydantic import ValidationError
 
 from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, request_args
 from llmrl.agents.sampler import EpochSampler
+from llmrl.agents.workers import in_worker_thread
 from llmrl.inference.interface import InferenceInterface
 from llmrl.rewards.functions import Reward
 from llmrl.telemetry import trace_span
@@ -64,79 +63,6 @@ log = logging.getLogger(__name__)
 # The held-out split must not move when the run seed changes, or evaluations of different seeds
 # would not be comparable; it depends only on the problem list.
 _HELD_OUT_SEED = "llmrl-held-out"
-
-
-class _DaemonWorkers:
-    """Daemon threads for env calls, reused while idle (`idle_s`), started when none is free.
-
-    A call that hangs keeps its thread, which is abandoned: later calls get other threads, and the
-    interpreter never waits for it at exit (a shared executor would queue later calls behind a hung
-    one, and join it at exit). Reusing threads matters because starting one per call cost more than
-    an arithmetic reward: 64 calls took 8 ms on an idle 2-core machine and up to 180 ms on a busy one.
-    """
-
-    def __init__(self, idle_s: float = 30.0):
-        self._idle_s = idle_s
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue] = []  # the inbox of each idle worker
-        os.register_at_fork(after_in_child=self._forget_workers)  # a child process has none of them
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` (which must not raise) on an idle worker, or on a new one."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(inbox,), daemon=True, name="llmrl-env").start()
-        inbox.put(job)
-
-    def _work(self, inbox: queue.SimpleQueue) -> None:
-        while True:
-            try:
-                job = inbox.get(timeout=self._idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if any(idle is inbox for idle in self._idle):
-                        self._idle = [idle for idle in self._idle if idle is not inbox]
-                        return
-                continue  # taken while timing out: its job is on the way
-            job()
-            with self._lock:
-                self._idle.append(inbox)
-
-    def _forget_workers(self) -> None:
-        self._lock = threading.Lock()
-        self._idle = []
-
-
-_ENV_WORKERS = _DaemonWorkers()
-
-
-def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """Run `fn(*args)` on a daemon worker thread; a call that hangs is abandoned, not waited for."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # cancelled by a timeout
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def job() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed while we ran: nobody is waiting any more
-            pass
-
-    _ENV_WORKERS.submit(job)
-    return future
 
 
 class RewardOnlyAgent(Agent):
@@ -429,7 +355,7 @@ class RewardOnlyAgent(Agent):
             with trace_span(fn.__name__, env=self.env_id):
                 if self.main_thread_rewards and fn == self.reward and threading.current_thread() is threading.main_thread():
                     return fn(*args)
-                call = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
+                call = fn(*args) if inspect.iscoroutinefunction(fn) else in_worker_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)
 
     def _record_failure(self, stage: str, problem: Problem, exc: BaseException, *, count: int) -> str:

@@ -1,4 +1,4 @@
-"""The built-in arithmetic environment: the problems of `llmrl.tasks.arithmetic` as an agent.
+"""The agent of the built-in arithmetic environment: runs the task of `llmrl.rewards.arithmetic`.
 
 Training draws from the `train` split, evaluation from the held-out `test` split. Reward: 1.0 when
 the first integer in the completion equals the answer, else 0.0.
@@ -12,7 +12,7 @@ from typing import Any
 
 from llmrl.agents.base import Problem
 from llmrl.agents.reward_only import RewardOnlyAgent
-from llmrl.tasks.arithmetic import (
+from llmrl.rewards.arithmetic import (
     ArithmeticProblem,
     Split,
     check_ops,

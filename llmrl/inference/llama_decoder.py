@@ -31,6 +31,7 @@ from llmrl.inference.llama_forward import (
     read_weights,
     rotation_table,
 )
+from llmrl.models.shape import head_dim
 
 SUPPORTED_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 """`config.model_type` values served by `LlamaFamilyDecoder`, with transformers' class of each
@@ -78,7 +79,7 @@ class LlamaFamilyDecoder:
         self.share_from = share_from
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.max_positions = max_positions(config)
         first = next(model.parameters())
         self.device = first.device

@@ -10,7 +10,7 @@ made from nothing, seeded and deterministic, in about a minute on one CPU core:
    (``<|im_start|>role\\n...<|im_end|>\\n``; eos = ``<|im_end|>``, pad = ``<|endoftext|>``).
 2. Model: `Qwen2ForCausalLM` (hidden 128, 4 layers, tied embeddings, 1024 positions), float32.
 3. Warm-up: supervised next-token loss on the answers of chat-formatted 2-digit additions from
-   the *train* split of `llmrl.tasks.arithmetic`, until the expected sampled accuracy (temperature
+   the *train* split of `llmrl.rewards.arithmetic`, until the expected sampled accuracy (temperature
    1) on held-back validation problems reaches 30%: the model has learnt the format and part of
    the task, far from all of it, so GRPO has signal. See `train_warmup` for why it stops on a
    measurement rather than after a fixed number of steps.
@@ -32,10 +32,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -50,7 +48,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.errors import ModelSpecError
-from llmrl.tasks.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
+from llmrl.files import move_into_place
+from llmrl.rewards.arithmetic import ArithmeticProblem, iter_problems, prompt_messages, sample_problems, score
 
 RECIPE_VERSION = 1
 """Bump when the build changes in a way the recipe fields do not capture (corpus, code)."""
@@ -607,12 +606,7 @@ def rebuild(name: str, *, replace: bool) -> tuple[Path | None, list[str]]:
         differences = describe_differences(shipped, Path(staging)) if has_shipped else ["no shipped build yet"]
         if not replace:
             return None, differences
-        retired = SHIPPED_ROOT / f".{name}-retired"
-        shutil.rmtree(retired, ignore_errors=True)
-        if shipped.exists():
-            os.replace(shipped, retired)
-        shutil.copytree(staging, shipped)
-        shutil.rmtree(retired, ignore_errors=True)
+        move_into_place(Path(staging), shipped)  # the staging folder is gone: its cleanup has nothing to do
     return shipped, differences
 
 

@@ -1,4 +1,5 @@
-"""Rewards as plain functions: answer conventions, verl-style scorers, and TRL/verl reward functions."""
+"""Rewards as plain functions: answer conventions, verl-style scorers, TRL/verl reward functions, and
+the built-in tasks' rules (arithmetic's problems too: the tiny model is built from them)."""
 
 from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine
 from llmrl.rewards.scorers import (

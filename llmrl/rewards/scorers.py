@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from llmrl.rewards.answers import after_hashes, is_equivalent, last_boxed, math_reward, normalize_answer
+from llmrl.rewards.arithmetic import first_integer
 from llmrl.rewards.countdown import countdown_reward
-from llmrl.tasks.arithmetic import first_integer
 
 # ---- GSM8K ------------------------------------------------------------------------------------
 

@@ -134,7 +134,7 @@ class EnvironmentService:
     async def group_rollouts(self, request: GroupRolloutsRequest) -> GroupRolloutsResponse:
         """Groups from one environment or the weighted mix, drawn while holding their problem orders."""
         if request.env_id is None:
-            tasks, env_ids = self.mix, self.training_ids
+            agents, env_ids = self.mix, self.training_ids
             if request.num_groups < len(env_ids):
                 raise RequestError(
                     422,
@@ -145,19 +145,19 @@ class EnvironmentService:
             env_id = self._known(request.env_id)
             if self.configs[env_id].evaluation_only:
                 raise RequestError(409, f"environment {env_id!r} is evaluation-only on this server")
-            tasks, env_ids = self.single[env_id], [env_id]
+            agents, env_ids = self.single[env_id], [env_id]
         inference = self.inference_factory(request.inference)
         async with self._holding(env_ids):
-            groups = await tasks.group_rollouts(
+            groups = await agents.group_rollouts(
                 inference, request.num_groups, request.group_size, request.generation_args
             )
-            metrics = tasks.pop_metrics()
+            metrics = agents.pop_metrics()
         return GroupRolloutsResponse(groups=groups, metrics=metrics)
 
     async def evaluate(self, request: EvaluateRequest) -> EvaluateResponse:
         """Held-out evaluation; it never touches the training order, so it takes no lock."""
-        tasks = self.mix if request.env_id is None else self.single[self._known(request.env_id)]
-        results = await tasks.evaluate(
+        agents = self.mix if request.env_id is None else self.single[self._known(request.env_id)]
+        results = await agents.evaluate(
             self.inference_factory(request.inference),
             request.num_prompts,
             samples_per_prompt=request.samples_per_prompt,
@@ -166,7 +166,7 @@ class EnvironmentService:
             correct_threshold=request.correct_threshold,
             generation_args=request.generation_args,
         )
-        return EvaluateResponse(results=results)
+        return EvaluateResponse(results={env_id: response.results for env_id, response in results.items()})
 
     def info(self) -> ServerInfo:
         """The environments (as configured, with problem counts) and the routes."""

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmrl.telemetry import atomic_write, ends_with_newline, read_jsonl
+from llmrl.files import atomic_write
+from llmrl.telemetry import ends_with_newline, read_jsonl
 from llmrl.types import RolloutGroup
 
 BANK_FILE = "rollout_bank.jsonl"

@@ -20,6 +20,10 @@ sharded when a multi-process run loads it (`load_optimizer`).
 A checkpoint is written into a hidden ``.tmp-...`` folder and renamed into place, so a folder named
 ``step_*`` is always complete; leftovers of a killed write are removed on the next save. Only the
 newest `keep_last` checkpoints are kept.
+
+A run folder's latest checkpoint is continued by a config that differs from the saved one only in
+`RESUMABLE_CHANGES` (`checkpoint_to_resume`; ``--resume`` accepts any change); a run that starts at
+step 0 clears the outputs an earlier, never-checkpointed attempt left (`clear_run_outputs`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -43,6 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from llmrl.config import ConfigError, RunConfig
+from llmrl.files import move_into_place
+from llmrl.trainer.bank import BANK_FILE
 
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-"
@@ -72,6 +81,62 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     """The newest complete checkpoint of a run, or None."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+# ---- Resuming: which config changes a resume accepts, and what a fresh start clears ----------------
+
+RESUMABLE_CHANGES = (
+    # Fields (and sections) that may change between a run and its resumption without changing what it trains.
+    "training.steps",
+    "evaluation",
+    "checkpoint",
+    "logging",
+    "run_dir",
+    "inference.base_url",
+    "inference.api_key_env",
+    "inference.request_timeout_s",
+    "inference.weights_dir",
+    "inference.weight_sync_timeout_s",
+    "inference.weight_sync_bucket_mb",
+    "inference.vllm",
+)
+_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
+"""Written fresh by a run that starts from step 0."""
+
+
+def checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | None:
+    """The run folder's latest checkpoint when this config may continue it; errors explain when not."""
+    latest = latest_checkpoint(config.run_dir)
+    if latest is None:
+        if force:
+            raise ConfigError(f"--resume: {config.run_dir} has no checkpoint to resume from")
+        return None
+    saved = yaml.safe_load((latest[1] / "config.yaml").read_text())
+    changes = _config_changes(saved, config.model_dump(mode="json"))
+    blocking = [c for c in changes if not c.split(":")[0].startswith(RESUMABLE_CHANGES)]
+    if blocking and not force:
+        raise ConfigError(
+            f"run_dir {config.run_dir} holds a checkpoint at step {latest[0]} of a different config "
+            f"({'; '.join(blocking[:5])}). Pass --resume to continue it with this config, or choose a new run_dir."
+        )
+    return latest
+
+
+def _config_changes(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for key in sorted(set(old) | set(new))
+                for change in _config_changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)]
+    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+
+
+def clear_run_outputs(run_dir: Path) -> None:
+    """A run starting at step 0 replaces what an earlier, never-checkpointed attempt left."""
+    for name in _RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def save_checkpoint(
@@ -153,9 +218,7 @@ def finish_checkpoint(run_dir: str | Path, step: int, temp: Path, *, keep_last: 
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     _fsync_tree(temp)
-    if final.exists():  # re-saving a step after a resume: the new copy replaces the old one
-        shutil.rmtree(final)
-    os.replace(temp, final)
+    move_into_place(temp, final)  # re-saving a step after a resume: the new copy replaces the old one
     _fsync_dir(root)
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -28,49 +28,9 @@ import torch
 
 from llmrl.algorithms.logprobs import CHUNK_ELEMENTS
 from llmrl.config import ConfigError
+from llmrl.models.shape import ModelShape
 
 GB = 1e9
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a model: parameter counts and the sizes of its layers."""
-
-    parameters: int
-    largest_block: int
-    """Parameters of the largest decoder layer (FSDP2 gathers one or two at a time)."""
-    outside_blocks: int
-    """Parameters outside the decoder layers (embeddings, final norm, LM head)."""
-    layers: int
-    hidden: int
-    intermediate: int
-    kv_channels: int
-    """Key (or value) channels per token and layer: kv heads x head dim."""
-    vocab: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelShape:
-        """The shape of `model`, which may live on the meta device."""
-        config = model.config
-        names = set(getattr(model, "_no_split_modules", None) or ())
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
-        block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
-        unique = {id(p): p.numel() for p in model.parameters()}
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-        experts_per_token = getattr(config, "num_experts_per_tok", None) or 1
-        return cls(
-            parameters=sum(unique.values()),
-            largest_block=max(block_sizes, default=0),
-            outside_blocks=sum(unique.values()) - sum(block_sizes),
-            layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            intermediate=intermediate * experts_per_token,
-            kv_channels=kv_heads * head_dim,
-            vocab=config.vocab_size,
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ from llmrl.algorithms.packing import (
     unpack,
 )
 from llmrl.config import AlgorithmConfig, ConfigError, TrainingConfig
+from llmrl.models.shape import ModelShape
 from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.trainer.rollouts import RolloutBatch
@@ -103,26 +104,6 @@ def fast_forward(schedule: lr_scheduler.LRScheduler, steps: int) -> None:
             schedule.step()
 
 
-def forward_costs(model: torch.nn.Module) -> tuple[float, float]:
-    """Forward FLOPs of `model` per token and per (query, key) pair of attention, for `plan_rows`.
-
-    Per token: 2 per weight outside the embeddings (the LM head only runs on scored tokens). Per
-    pair: 4 per attention channel and layer (q.k and the weighted sum of v). Attention counts 0 when
-    the config does not say its shape.
-    """
-    embeddings = {
-        id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None
-        for p in module.parameters()
-    }  # fmt: skip
-    token_cost = 2.0 * sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-    config = getattr(model, "config", None)
-    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
-    if not layers or not heads:
-        return token_cost, 0.0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return token_cost, 4.0 * layers * heads * head_dim
-
-
 def has_local_attention(config: object) -> bool:
     """Whether a model config has sliding-window (local) attention layers."""
     layer_types = getattr(config, "layer_types", None)
@@ -165,7 +146,8 @@ class PolicyUpdate:
         self.pad_token_id = pad_token_id
         self.reference = reference
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
-        self._token_cost, self._pair_cost = forward_costs(policy)
+        shape = ModelShape.of(policy)  # packing's costs: forward FLOPs per token and per attention pair
+        self._token_cost, self._pair_cost = shape.token_flops, shape.pair_flops
         # A shared prefix brings its own attention mask, which would drop a sliding window.
         self._local_attention = has_local_attention(getattr(policy, "config", None))
         self.device = next(policy.parameters()).device

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from llmrl.telemetry import atomic_write
+from llmrl.files import atomic_write
 
 _ENV_REWARD_KEY = re.compile(r"reward/(?P<env>.+)/mean")
 _EVAL_KEY = re.compile(r"eval/(?P<env>.+)/(?P<metric>pass@\d+|greedy_accuracy)")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -34,19 +33,19 @@ from typing import Any
 
 import torch
 import transformers
-import yaml
 
 from llmrl.agents import build_agents
 from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
+from llmrl.files import atomic_write
 from llmrl.inference import InferenceInterface, InferenceUnavailableError, build_inference, run_sync
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
-from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, atomic_write, read_metrics, use_tracer
+from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, read_metrics, use_tracer
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.bank import BANK_FILE, RolloutBank
+from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.distributed import Distributed, tied_duplicates
 from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
@@ -60,13 +59,6 @@ from llmrl.trainer.rollouts import (
     unavailable_line,
 )
 from llmrl.types import GenerationArgs
-
-# Fields that may change between a run and its resumption without changing what it trains.
-_RESUMABLE_CHANGES = ("training.steps", "evaluation", "checkpoint", "logging", "run_dir", "inference.base_url",
-                      "inference.api_key_env", "inference.request_timeout_s", "inference.weights_dir",
-                      "inference.weight_sync_timeout_s", "inference.weight_sync_bucket_mb", "inference.vllm")
-# Written fresh by a run that starts from step 0.
-_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
 
 
 class Trainer:
@@ -105,7 +97,7 @@ class Trainer:
         ) if self.is_main else None  # fmt: skip
         if self.agents is not None:
             self.agents.check_problems()  # a missing dataset column fails here, before models load
-        checkpoint = _checkpoint_to_resume(config, resume)
+        checkpoint = ckpt.checkpoint_to_resume(config, resume)
         torch.manual_seed(config.seed)
 
         if device == "cuda":
@@ -161,7 +153,7 @@ class Trainer:
         if checkpoint:
             self._restore(checkpoint[1])
         elif self.is_main:
-            _clear_outputs(self.run_dir)
+            ckpt.clear_run_outputs(self.run_dir)
         # The inference side may hold other weights (a server kept from an earlier run, or ahead of
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
         self._sync_weights(self.step, reset=True)
@@ -474,41 +466,6 @@ def _stop_after_step_on_interrupt(
         yield requested.is_set
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def _checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | None:
-    """The run folder's latest checkpoint when this config may continue it; errors explain when not."""
-    latest = ckpt.latest_checkpoint(config.run_dir)
-    if latest is None:
-        if force:
-            raise ConfigError(f"--resume: {config.run_dir} has no checkpoint to resume from")
-        return None
-    saved = yaml.safe_load((latest[1] / "config.yaml").read_text())
-    changes = _config_changes(saved, config.model_dump(mode="json"))
-    blocking = [c for c in changes if not c.split(":")[0].startswith(_RESUMABLE_CHANGES)]
-    if blocking and not force:
-        raise ConfigError(
-            f"run_dir {config.run_dir} holds a checkpoint at step {latest[0]} of a different config "
-            f"({'; '.join(blocking[:5])}). Pass --resume to continue it with this config, or choose a new run_dir."
-        )
-    return latest
-
-
-def _config_changes(old: Any, new: Any, path: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [change for key in sorted(set(old) | set(new))
-                for change in _config_changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)]
-    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
-
-
-def _clear_outputs(run_dir: Path) -> None:
-    """A run starting at step 0 replaces what an earlier, never-checkpointed attempt left."""
-    for name in _RUN_OUTPUTS:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
 
 
 @contextlib.contextmanager

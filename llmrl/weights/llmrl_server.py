@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from llmrl.telemetry import atomic_write
+from llmrl.files import atomic_write
 from llmrl.weights.buckets import safetensors_ready
 from llmrl.weights.transport import Weights, WeightSyncError, check_version
 

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from llmrl.http_client import free_port
+from llmrl.processes import free_port
 from llmrl.weights.transport import Weights, WeightSyncError, weight_parts
 
 

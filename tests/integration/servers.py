@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from llmrl.http_client import free_port
+from llmrl.processes import free_port
 
 
 @contextlib.contextmanager

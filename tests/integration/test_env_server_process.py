@@ -8,10 +8,10 @@ import pytest
 import yaml
 from servers import serving
 
-from llmrl.agents import PassAtKAgent
+from llmrl.agents import PassAtKAgent, evaluation_metrics
 from llmrl.agents.remote import RemoteAgent
 from llmrl.envs.arithmetic import ArithmeticAgent
-from llmrl.http_client import free_port
+from llmrl.processes import free_port
 from llmrl.types import GenerationArgs
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_remote_agent_with_the_real_inference_server(tmp_path, config_file, tiny
         ]
 
         response = _run(PassAtKAgent(agent, n=2, ks=[1, 2], greedy=True).evaluate(inference, 4))
-        metrics = response.metrics()
+        metrics = evaluation_metrics(response)
         assert len(response.results) == 4 and 0.0 <= metrics["pass@1"] <= metrics["pass@2"] <= 1.0
         assert "greedy_accuracy" in metrics
 

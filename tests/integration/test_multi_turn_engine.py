@@ -7,7 +7,7 @@ import torch
 
 from llmrl.envs.arithmetic import ArithmeticAgent
 from llmrl.inference.engine import LocalEngine
-from llmrl.tasks.arithmetic import score
+from llmrl.rewards.arithmetic import score
 from llmrl.types import GenerationArgs
 
 pytestmark = pytest.mark.slow

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM
 
 from llmrl.config import ModelConfig, VLLMConfig
-from llmrl.http_client import free_port
 from llmrl.inference.vllm import VLLMInterface, VLLMServer, served_model_path
+from llmrl.processes import free_port
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 pytestmark = pytest.mark.slow

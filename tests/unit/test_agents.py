@@ -15,7 +15,7 @@ from scripted_inference import (
     render,
 )
 
-from llmrl.agents import EpochSampler, Problem, make_prompt
+from llmrl.agents import EpochSampler, Problem, evaluation_metrics, make_prompt
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
 
@@ -170,9 +170,9 @@ def test_a_hanging_reward_times_out_without_holding_up_the_batch():
 
 
 def test_env_workers_are_reused_and_a_hung_call_keeps_only_its_own():
-    from llmrl.agents.reward_only import _DaemonWorkers
+    from llmrl.agents.workers import DaemonWorkers
 
-    workers = _DaemonWorkers(idle_s=0.3)
+    workers = DaemonWorkers(idle_s=0.3)
     release = threading.Event()
     done: list[int] = []
     workers.submit(release.wait)  # hangs until released: its worker stays busy
@@ -312,7 +312,7 @@ def test_evaluate_samples_held_out_problems_and_decodes_greedily():
     assert all(r.rewards == [1.0, 0.0, 0.0] and r.greedy_reward == 1.0 for r in response.results)
     temperatures = sorted({(r.n, r.generation_args.temperature) for r in inference.requests})
     assert temperatures == [(1, 0.0), (3, 0.8)]
-    metrics = response.metrics()
+    metrics = evaluation_metrics(response)
     assert metrics["greedy_accuracy"] == 1.0 and metrics["accuracy"] == pytest.approx(1 / 3)
 
 

@@ -7,7 +7,7 @@ import pytest
 from scripted_inference import EchoAgent, ScriptedInference, answer_of
 
 from llmrl import registry
-from llmrl.agents import WeightedMultiTask, build_agents, largest_remainder
+from llmrl.agents import WeightedMultiTask, build_agents, evaluation_metrics, largest_remainder
 from llmrl.config import EnvironmentConfig
 
 
@@ -62,7 +62,7 @@ def test_evaluation_only_agents_are_evaluated_but_never_trained_on():
     assert {r.env_id for g in groups for r in g.rollouts} == {"train"}
     results = run(multi.evaluate(inference, 2, samples_per_prompt=2, ks=[1, 2]))
     assert set(results) == {"train", "held"}
-    assert results["held"].metrics()["pass@2"] == 1.0
+    assert evaluation_metrics(results["held"])["pass@2"] == 1.0
 
 
 def test_groups_come_from_each_agent_in_order_and_concurrently():

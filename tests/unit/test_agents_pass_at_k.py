@@ -7,7 +7,8 @@ import math
 import pytest
 from scripted_inference import EchoAgent, ScriptedInference
 
-from llmrl.agents import PassAtKAgent, pass_at_k
+from llmrl.agents import PassAtKAgent, evaluation_metrics, pass_at_k
+from llmrl.types import EvaluationResponse, EvaluationResult
 
 
 def enumerated_pass_at_k(n, c, k):
@@ -52,7 +53,7 @@ def test_wrapper_reports_pass_at_k_greedy_accuracy_and_mean_reward():
     agent = EchoAgent(num_problems=40, eval_size=8)
     wrapper = PassAtKAgent(agent, n=4, ks=[1, 2, 4], greedy=True, correct_threshold=1.0)
     response = asyncio.run(wrapper.evaluate(inference, 8))
-    metrics = response.metrics()
+    metrics = evaluation_metrics(response)
 
     counts = [int(p.id[1:]) % 4 for p in agent.eval_problems]
     for k in (1, 2, 4):
@@ -70,14 +71,33 @@ def test_correct_threshold_decides_what_counts():
 
     half = HalfReward(num_problems=10, eval_size=2)
     inference = ScriptedInference("x")
-    strict = asyncio.run(PassAtKAgent(half, n=2, ks=[1], greedy=False).evaluate(inference, 2)).metrics()
+    strict = evaluation_metrics(asyncio.run(PassAtKAgent(half, n=2, ks=[1], greedy=False).evaluate(inference, 2)))
     lenient = asyncio.run(
         PassAtKAgent(half, n=2, ks=[1], greedy=False, correct_threshold=0.5).evaluate(inference, 2)
     )
-    assert strict["pass@1"] == 0.0 and lenient.metrics()["pass@1"] == 1.0
+    assert strict["pass@1"] == 0.0 and evaluation_metrics(lenient)["pass@1"] == 1.0
     assert "greedy_accuracy" not in strict
 
 
 def test_ks_must_fit_n():
     with pytest.raises(ValueError, match="ks must be"):
         PassAtKAgent(EchoAgent(), n=4, ks=[1, 8])
+
+
+def test_evaluation_metrics():
+    # problem a: 2 of 4 samples correct; problem b: 0 of 4. pass@2 for a = 1 - C(2,2)/C(4,2) = 5/6.
+    response = EvaluationResponse(
+        env_id="e",
+        ks=[1, 2, 8],
+        results=[
+            EvaluationResult(problem_id="a", prompt="x", completions=["1"] * 4, rewards=[1, 0, 1, 0], greedy_reward=1.0),
+            EvaluationResult(problem_id="b", prompt="y", completions=["1"] * 4, rewards=[0, 0, 0, 0.5], greedy_reward=0),
+        ],
+    )
+    metrics = evaluation_metrics(response)
+    assert metrics["reward_mean"] == pytest.approx(2.5 / 8)
+    assert metrics["accuracy"] == pytest.approx(2 / 8)
+    assert metrics["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert metrics["pass@2"] == pytest.approx((5 / 6 + 0.0) / 2)
+    assert "pass@8" not in metrics  # k > n is not estimable
+    assert metrics["greedy_accuracy"] == 0.5

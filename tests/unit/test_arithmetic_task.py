@@ -1,4 +1,4 @@
-"""The arithmetic task's problems, splits, prompts and scoring (llmrl/tasks/arithmetic.py)."""
+"""The arithmetic task's problems, splits, prompts and scoring (llmrl/rewards/arithmetic.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from llmrl.tasks.arithmetic import (
+from llmrl.rewards.arithmetic import (
     HELDOUT_FRACTION,
     ArithmeticProblem,
     iter_problems,

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from llmrl.config import (
+    DEMO_CONFIG,
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -42,10 +43,9 @@ def test_demo_config_is_the_tiny_model_on_arithmetic():
     assert [e.agent_type for e in config.environments] == ["arithmetic"]
 
 
-def test_the_arithmetic_example_is_the_demo_in_its_own_run_folder():
-    example = load_config(Path(__file__).parents[2] / "examples" / "arithmetic.yaml")
-    assert example.run_dir == "runs/arithmetic"
-    assert example.model_copy(update={"run_dir": demo_config().run_dir}) == demo_config()
+def test_the_arithmetic_example_is_the_packaged_demo_file():
+    example = Path(__file__).parents[2] / "examples" / "arithmetic.yaml"
+    assert example.resolve() == DEMO_CONFIG.resolve()
 
 
 def test_every_field_has_a_docstring():

@@ -7,6 +7,7 @@ import re
 import pytest
 from scripted_inference import ScriptedInference
 
+from llmrl.agents import evaluation_metrics
 from llmrl.agents.dataset import packaged_data
 from llmrl.envs.math import GSM8KAgent, MathAgent
 from llmrl.rewards.answers import is_equivalent, math_reward
@@ -76,7 +77,7 @@ def test_gsm8k_agent_uses_the_shipped_fixture_and_scores_rollouts():
     groups = asyncio.run(agent.group_rollouts(ScriptedInference(reply), 4, 2))
     assert [g.rewards for g in groups] == [[1.0, 0.0]] * 4  # math-verify works in reward threads
     response = asyncio.run(agent.evaluate(ScriptedInference(reply), 12, samples_per_prompt=2))
-    assert response.metrics()["reward_mean"] == 0.5
+    assert evaluation_metrics(response)["reward_mean"] == 0.5
 
 
 def test_math_agent_extracts_the_boxed_reference_from_solutions():

@@ -25,7 +25,7 @@ from llmrl.telemetry import (
     trace_span,
     use_tracer,
 )
-from llmrl.types import Rollout, TokenRollout
+from llmrl.types import TokenRollout
 
 
 def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -189,8 +189,11 @@ def test_bad_wandb_mode_and_resume_step_are_rejected(tmp_path):
 # ---------------------------------------------------------------- RolloutLog
 
 
-def test_rollout_log_writes_text_token_and_dict_rollouts(tmp_path):
-    text = Rollout(env_id="arith", problem_id="p1", reward=1.0, trajectory=["2+2=", "4"])
+def test_rollout_log_writes_token_and_dict_rollouts(tmp_path):
+    one_turn = TokenRollout(
+        env_id="arith", problem_id="p1", reward=1.0,
+        trajectory=[[1], [2]], generation_mask=[[False], [True]], text=["2+2=", "4"],
+    )
     multi_turn = TokenRollout(
         env_id="chat",
         problem_id="p2",
@@ -207,7 +210,7 @@ def test_rollout_log_writes_text_token_and_dict_rollouts(tmp_path):
     )
     path = tmp_path / "rollouts.jsonl"
     with RolloutLog(path) as log:
-        log.log(7, text, advantage=0.8)
+        log.log(7, one_turn, advantage=0.8)
         log.log(7, multi_turn)
         log.log(8, no_text)
         log.log(8, {"prompt": "x", "completion": "y", "reward": 0.0, "note": "custom"})
@@ -227,7 +230,7 @@ def test_rollout_log_writes_text_token_and_dict_rollouts(tmp_path):
 
 def test_rollout_log_rejects_clashing_fields_and_resumes(tmp_path):
     path = tmp_path / "rollouts.jsonl"
-    rollout = Rollout(env_id="e", problem_id="p", trajectory=["q", "a"])
+    rollout = TokenRollout(env_id="e", problem_id="p", trajectory=[[1], [2]], generation_mask=[[False], [True]])
     with RolloutLog(path) as log:
         with pytest.raises(ValueError, match=r"\['reward'\] clash"):
             log.log(0, rollout, reward=2.0)

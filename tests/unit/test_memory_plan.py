@@ -9,11 +9,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.config import ConfigError
+from llmrl.models.shape import ModelShape
 from llmrl.trainer.memory import (
     GB,
     MemoryPlan,
     MemorySettings,
-    ModelShape,
     PeakMemory,
     device_memory,
     plan_memory,

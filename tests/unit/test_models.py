@@ -23,7 +23,7 @@ from llmrl.models.tiny import (
     build_tiny_model,
     tiny_model_path,
 )
-from llmrl.tasks.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
+from llmrl.rewards.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
 
 # A recipe that builds in about a second: same tokenizer and code path, a toy network and 3 steps.
 MICRO = dataclasses.replace(

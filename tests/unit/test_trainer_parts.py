@@ -17,6 +17,7 @@ from llmrl.agents.base import placeholder_rollout
 from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.models.loading import enable_activation_checkpointing
+from llmrl.models.shape import ModelShape
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
 from llmrl.trainer.optimization import (
@@ -24,7 +25,6 @@ from llmrl.trainer.optimization import (
     _MetricTotals,
     build_optimizer,
     fast_forward,
-    forward_costs,
     has_local_attention,
     sampling_params,
 )
@@ -257,10 +257,11 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     assert sum(p.num_tokens for p in packed) < sum(len(s) for s in batch.sequences)
 
 
-def test_forward_costs_count_the_layers_and_the_attention_width():
+def test_the_forward_flops_count_the_layers_and_the_attention_width():
     policy = tiny_policy()  # 2 layers, hidden 32, 4 heads of 8, input and output embeddings 48 x 32 each
     assert not policy.config.tie_word_embeddings
-    token_cost, pair_cost = forward_costs(policy)
+    shape = ModelShape.of(policy)
+    token_cost, pair_cost = shape.token_flops, shape.pair_flops
     embedding_weights = 2 * VOCAB * 32
     assert token_cost == 2 * (sum(p.numel() for p in policy.parameters()) - embedding_weights)
     assert pair_cost == 4 * 2 * 4 * 8

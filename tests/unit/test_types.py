@@ -10,7 +10,6 @@ from llmrl.types import (
     GenerationArgs,
     InferenceRequest,
     InferenceResponse,
-    Rollout,
     RolloutGroup,
     TokenRollout,
 )
@@ -37,7 +36,6 @@ EXAMPLES = [
     InferenceRequest(prompt="What is 1+1?", n=4),
     InferenceRequest(prompt=[ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="2+2?")]),
     InferenceResponse(text="4", prompt_token_ids=[1, 2], token_ids=[9, 3], logprobs=[-0.1, -0.2], finish_reason="stop"),
-    Rollout(trajectory=["2+2?", "4"], reward=1.0, env_id="e", problem_id="p"),
     _token_rollout(),
     RolloutGroup(group_id="g0", rollouts=[_token_rollout(), _token_rollout(reward=0.0, status="placeholder")]),
     EvaluationResult(problem_id="p", prompt="2+2?", completions=["4", "5"], rewards=[1.0, 0.0], greedy_reward=1.0),
@@ -51,13 +49,6 @@ EXAMPLES = [
 def test_json_round_trip(obj):
     restored = type(obj).model_validate_json(obj.model_dump_json())
     assert restored == obj
-
-
-def test_rollout_group_refuses_text_rollouts_naming_what_to_send():
-    text = Rollout(trajectory=["a", "b"], env_id="e", problem_id="p")
-    for given in (text, text.model_dump(mode="json")):  # a Python object, and the same sent over HTTP
-        with pytest.raises(ValidationError, match="cannot be trained on: send a TokenRollout"):
-            RolloutGroup(group_id="g", rollouts=[_token_rollout(), given])
 
 
 def test_generation_args_is_immutable():
@@ -146,22 +137,3 @@ def test_rollout_group_needs_rollouts():
     with pytest.raises(ValidationError) as info:
         RolloutGroup(group_id="g", rollouts=[])
     assert info.value.errors()[0]["loc"] == ("rollouts",)
-
-
-def test_evaluation_metrics():
-    # problem a: 2 of 4 samples correct; problem b: 0 of 4. pass@2 for a = 1 - C(2,2)/C(4,2) = 5/6.
-    response = EvaluationResponse(
-        env_id="e",
-        ks=[1, 2, 8],
-        results=[
-            EvaluationResult(problem_id="a", prompt="x", completions=["1"] * 4, rewards=[1, 0, 1, 0], greedy_reward=1.0),
-            EvaluationResult(problem_id="b", prompt="y", completions=["1"] * 4, rewards=[0, 0, 0, 0.5], greedy_reward=0),
-        ],
-    )
-    metrics = response.metrics()
-    assert metrics["reward_mean"] == pytest.approx(2.5 / 8)
-    assert metrics["accuracy"] == pytest.approx(2 / 8)
-    assert metrics["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
-    assert metrics["pass@2"] == pytest.approx((5 / 6 + 0.0) / 2)
-    assert "pass@8" not in metrics  # k > n is not estimable
-    assert metrics["greedy_accuracy"] == 0.5

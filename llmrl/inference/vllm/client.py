@@ -23,12 +23,12 @@ import httpx
 import torch
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
-from llmrl.http_client import free_port
 from llmrl.inference.interface import Health, run_blocking, run_in_new_loop, run_sync
 from llmrl.inference.openai import InferenceServerError, OpenAIInterface, api_key_from_env
 from llmrl.inference.vllm.compatibility import check_trainable
 from llmrl.inference.vllm.routes import ControlSettings, Endpoint, VLLMRoutes
 from llmrl.inference.vllm.server import VLLMServer, served_model_path, server_devices, temporary_folder
+from llmrl.processes import free_port
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import (
     Bucket,

@@ -1,7 +1,8 @@
-"""The arithmetic problem set: seeded problem streams, chat prompts and an exact-answer score.
+"""The arithmetic task: seeded problem streams, their split, chat prompts and the exact-answer reward.
 
-The tiny model is trained on it (`llmrl.models.tiny`) and the `arithmetic` environment serves it as
-an agent (`llmrl.envs.arithmetic`); it sits below both so that neither imports the other.
+The `arithmetic` environment serves it (`llmrl.envs.arithmetic`), and the tiny model is warmed up on
+it (`llmrl.models.tiny`), which is why the problems live here with their reward and not in the
+environment: models sit below environments.
 
 Problems are `a op b` with operands of exactly `digits` digits (0-9 when `digits` is 1). Every
 problem belongs to one split for good: it is held out when a hash of its text falls below

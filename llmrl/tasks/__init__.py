@@ -1,1 +1,0 @@
-"""Problem sets below the agent layer, shared by the tiny model and the environments."""
