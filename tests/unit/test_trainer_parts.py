@@ -575,7 +575,6 @@ def test_a_checkpoint_saved_with_the_old_vllm_bucket_setting_resumes_without_res
 
     from llmrl.config import config_from_dict, dump_config
     from llmrl.trainer import checkpoint as ckpt
-    from llmrl.trainer.trainer import _checkpoint_to_resume
 
     config = config_from_dict({"environments": [{"agent_type": "arithmetic"}], "run_dir": str(tmp_path)})
     saved = yaml.safe_load(dump_config(config))
@@ -584,5 +583,5 @@ def test_a_checkpoint_saved_with_the_old_vllm_bucket_setting_resumes_without_res
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(saved))
     (folder / ckpt.TRAINER_STATE).write_text("")
-    assert _checkpoint_to_resume(config, force=False) == (3, folder)
+    assert ckpt.checkpoint_to_resume(config, force=False) == (3, folder)
     assert config_from_dict(saved).inference.weight_sync_bucket_mb == 512  # and the saved file itself loads
