@@ -30,9 +30,16 @@ from llmrl.trainer.memory import GB, PeakMemory, resident_bytes
 
 def build(args: argparse.Namespace) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=args.row_tokens, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=args.row_tokens,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(config).train()
 
 
@@ -42,7 +49,10 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, float]:
     if checkpointing:
         enable_activation_checkpointing(model)
     generator = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(1, args.vocab, (args.row_tokens,), generator=generator).tolist() for _ in range(args.rows)]
+    sequences = [
+        torch.randint(1, args.vocab, (args.row_tokens,), generator=generator).tolist()
+        for _ in range(args.rows)
+    ]
     batch = build_batch(sequences, [[i] for i in range(args.rows)])
     for parameter in model.parameters():  # gradients exist before the baseline, as in training
         parameter.grad = torch.zeros_like(parameter)
@@ -55,12 +65,19 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, float]:
     loss.backward()
     seconds = time.perf_counter() - started
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
-    return {"above_baseline_gb": peak.take() - baseline, "seconds": seconds, "loss": loss.item(), "grad_norm": norm.item(),
-            "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6}  # fmt: skip
+    return {
+        "above_baseline_gb": peak.take() - baseline,
+        "seconds": seconds,
+        "loss": loss.item(),
+        "grad_norm": norm.item(),
+        "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=16384)
@@ -73,17 +90,25 @@ def main() -> None:
         return
     results = {}
     for mode in ("kept", "checkpointed"):
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode],
-                               check=True, capture_output=True, text=True)  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         results[mode] = json.loads(child.stdout.strip().splitlines()[-1])
     kept, checkpointed = results["kept"], results["checkpointed"]
-    print(f"model: {kept['parameters_m']:.1f}M parameters, {args.layers} layers; micro-batch {args.rows} x "
-          f"{args.row_tokens} tokens, float32, CPU")
+    print(
+        f"model: {kept['parameters_m']:.1f}M parameters, {args.layers} layers; micro-batch {args.rows} x "
+        f"{args.row_tokens} tokens, float32, CPU"
+    )
     print(f"{'mode':<14}{'memory above baseline':>24}{'seconds':>10}")
     for mode, result in results.items():
         print(f"{mode:<14}{result['above_baseline_gb']:>21.3f} GB{result['seconds']:>10.2f}")
-    print(f"ratio (checkpointed / kept): memory {checkpointed['above_baseline_gb'] / kept['above_baseline_gb']:.2f}, "
-          f"time {checkpointed['seconds'] / kept['seconds']:.2f}")
+    print(
+        f"ratio (checkpointed / kept): memory {checkpointed['above_baseline_gb'] / kept['above_baseline_gb']:.2f}, "
+        f"time {checkpointed['seconds'] / kept['seconds']:.2f}"
+    )
     loss_gap = abs(kept["loss"] - checkpointed["loss"])
     norm_gap = abs(kept["grad_norm"] - checkpointed["grad_norm"]) / kept["grad_norm"]
     print(f"loss difference {loss_gap:.1e}, gradient norm relative difference {norm_gap:.1e}")

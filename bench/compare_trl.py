@@ -30,7 +30,8 @@ checkpointing (TRL's default is on), no experiment tracker, no evaluation inside
 Remaining differences: TRL's group std is the sample std (n - 1) and its epsilon 1e-4, llmrl's the
 population std and 1e-6 by default, which scales advantages by at most 7% (AdamW mostly absorbs it;
 ``--llmrl-set algorithm.advantage_std_ddof=1 --llmrl-set algorithm.advantage_eps=1e-4`` gives
-TRL's numbers exactly, tests/integration/test_trl_parity.py); with beta 0, llmrl skips the forward and backward passes of rollouts whose advantage is 0 (whole groups
+TRL's numbers exactly, tests/integration/test_trl_parity.py); with beta 0, llmrl skips the forward and
+backward passes of rollouts whose advantage is 0 (whole groups
 with equal rewards), which changes neither its loss nor its gradient.
 
 Workloads:
@@ -167,10 +168,15 @@ def write_prompts(path: Path, count: int, seed: int) -> list[dict[str, Any]]:
     problems = agent.train_problems
     order = EpochSampler(len(problems), seed=config.seed).take(count)  # what RewardOnlyAgent draws
     rows = [
-        {"problem_id": problems[i].id, "prompt": [m.model_dump() for m in problems[i].prompt],
-         "a": problems[i].answer.a, "op": problems[i].answer.op, "b": problems[i].answer.b}
+        {
+            "problem_id": problems[i].id,
+            "prompt": [m.model_dump() for m in problems[i].prompt],
+            "a": problems[i].answer.a,
+            "op": problems[i].answer.op,
+            "b": problems[i].answer.b,
+        }
         for i in order
-    ]  # fmt: skip
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return rows
 
@@ -229,10 +235,13 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
             began = time.perf_counter()
             output = super()._generate(prompts)
             prompt_ids, completion_ids = output[0], output[1]
-            steps.append({
-                "generate_s": time.perf_counter() - began, "reward_s": 0.0,
-                "lengths": [[len(p), len(c)] for p, c in zip(prompt_ids, completion_ids, strict=True)],
-            })  # fmt: skip
+            steps.append(
+                {
+                    "generate_s": time.perf_counter() - began,
+                    "reward_s": 0.0,
+                    "lengths": [[len(p), len(c)] for p, c in zip(prompt_ids, completion_ids, strict=True)],
+                }
+            )
             return output
 
         def _calculate_rewards(
@@ -294,9 +303,12 @@ def run_trl(spec: WorkerSpec) -> dict[str, Any]:
         log_completions=False,
     )
     trainer = TimedGRPOTrainer(
-        model=spec.model_dir, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
+        model=spec.model_dir,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=dataset,
         callbacks=[StepTimer()],
-    )  # fmt: skip
+    )
     train_began = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - train_began
@@ -469,11 +481,19 @@ def evaluate(model_dir: str, seed: int, num_prompts: int) -> dict[str, float]:
     from llmrl.seeding import derive_seed
     from llmrl.types import GenerationArgs
 
-    config = load_config(None, [
-        f"seed={seed}", f"model.spec={model_dir}", f"environments.0.agent_args.eval_size={num_prompts}",
-        f"evaluation.num_prompts={num_prompts}", "evaluation.samples_per_prompt=8", "evaluation.ks=[1, 8]",
-        f"inference.generation.max_tokens={NATURAL_MAX_TOKENS}", "inference.generation.temperature=1.0",
-    ])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            f"seed={seed}",
+            f"model.spec={model_dir}",
+            f"environments.0.agent_args.eval_size={num_prompts}",
+            f"evaluation.num_prompts={num_prompts}",
+            "evaluation.samples_per_prompt=8",
+            "evaluation.ks=[1, 8]",
+            f"inference.generation.max_tokens={NATURAL_MAX_TOKENS}",
+            "inference.generation.temperature=1.0",
+        ],
+    )
     agents = build_agents(config.environments, config.seed)
     inference = build_inference(config.inference, config.model, seed=config.seed)
     # The trainer's evaluation seed: every model is scored on the same sampling streams.
@@ -716,8 +736,17 @@ def run_seed(model_dir: str, seed: int, args: argparse.Namespace, out: Path) -> 
     results = {}
     for framework in FRAMEWORKS if seed % 2 == 0 else FRAMEWORKS[::-1]:
         name = f"{framework}-seed{seed}"
-        spec = WorkerSpec(framework, setting, model_dir, str(prompts_file), str(out / name), args.lr, seed,
-                          args.llmrl_set, args.clip_high)  # fmt: skip
+        spec = WorkerSpec(
+            framework,
+            setting,
+            model_dir,
+            str(prompts_file),
+            str(out / name),
+            args.lr,
+            seed,
+            args.llmrl_set,
+            args.clip_high,
+        )
         results[framework] = launch(spec, out / f"{name}.log")
 
     def prompt_lengths(framework: str) -> list[list[int]]:
@@ -791,7 +820,10 @@ def study_table(label: str, outcomes: list[SeedOutcome]) -> list[str]:
             f"llmrl {spread(gains['llmrl'])}; llmrl - TRL {paired(gains['trl'], gains['llmrl'])}",
         ]
     same = sum(o.same_prompts for o in outcomes)
-    lines += [f"- prompts of the same token counts in both frameworks, every step: {same}/{len(outcomes)} seeds", ""]
+    lines += [
+        f"- prompts of the same token counts in both frameworks, every step: {same}/{len(outcomes)} seeds",
+        "",
+    ]
     return lines
 
 

@@ -31,14 +31,23 @@ from pathlib import Path
 
 MB = 1 << 20
 SETTINGS = [
-    "training.prompts_per_step=2", "training.group_size=2", "inference.generation.max_tokens=8",
-    "inference.max_concurrent=4", "inference.max_batch_tokens=256", "training.micro_batch_tokens=128",
-    "evaluation.at_start=false", "evaluation.every=0", "evaluation.at_end=false",
-    "checkpoint.every=0", "logging.progress=off", "logging.tensorboard=false", "logging.trace=false",
+    "training.prompts_per_step=2",
+    "training.group_size=2",
+    "inference.generation.max_tokens=8",
+    "inference.max_concurrent=4",
+    "inference.max_batch_tokens=256",
+    "training.micro_batch_tokens=128",
+    "evaluation.at_start=false",
+    "evaluation.every=0",
+    "evaluation.at_end=false",
+    "checkpoint.every=0",
+    "logging.progress=off",
+    "logging.tensorboard=false",
+    "logging.trace=false",
     # A random model earns no reward, and all-zero advantages skip the update: a small entropy bonus
     # makes every step run its backward pass and AdamW step.
     "algorithm.entropy_coef=0.001",
-]  # fmt: skip
+]
 
 
 def status_mb(field: str) -> float:
@@ -83,10 +92,18 @@ def build_model(folder: Path, layers: int) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("arithmetic"))
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=layers,
-        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(folder)
@@ -95,11 +112,17 @@ def build_model(folder: Path, layers: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--bucket-mb", type=int, help="inference.weight_sync_bucket_mb (default: the config's)")
-    parser.add_argument("--llmrl", type=Path, help="folder holding the llmrl package to run (default: this checkout)")
+    parser.add_argument(
+        "--bucket-mb", type=int, help="inference.weight_sync_bucket_mb (default: the config's)"
+    )
+    parser.add_argument(
+        "--llmrl", type=Path, help="folder holding the llmrl package to run (default: this checkout)"
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.worker is not None:
@@ -110,22 +133,41 @@ def main() -> None:
         root = Path(temp)
         parameters = build_model(root / "model", args.layers)
         full_mb = parameters * 4 / MB
-        settings = [*SETTINGS, f"training.steps={args.steps}", f"model.spec={root / 'model'}", f"run_dir={root / 'run'}"]
+        settings = [
+            *SETTINGS,
+            f"training.steps={args.steps}",
+            f"model.spec={root / 'model'}",
+            f"run_dir={root / 'run'}",
+        ]
         if args.bucket_mb is not None:
             settings.append(f"inference.weight_sync_bucket_mb={args.bucket_mb}")
         train_args = [a for s in settings for a in ("--set", s)]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   str(Path(__file__).resolve()), "--worker", str(root / "figures"), *train_args]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(Path(__file__).resolve()),
+            "--worker",
+            str(root / "figures"),
+            *train_args,
+        ]
         environment = os.environ | {"PYTHONPATH": str(package_root)}
         subprocess.run(command, check=True, cwd=root, env=environment)
         ranks = [json.loads((root / f"figures.{rank}.json").read_text()) for rank in range(2)]
-    print(f"\nllmrl from {package_root}; model: {parameters / 1e6:.1f}M parameters, one fp32 copy {full_mb:.0f} MB")
-    print(f"{'rank':>4} {'imports':>8} {'built':>12} {'to checkpoint':>14} {'overall':>12} {'plan':>6}"
-          "   (MB; peaks, in full copies)")
+    print(
+        f"\nllmrl from {package_root}; model: {parameters / 1e6:.1f}M parameters, one fp32 copy {full_mb:.0f} MB"
+    )
+    print(
+        f"{'rank':>4} {'imports':>8} {'built':>12} {'to checkpoint':>14} {'overall':>12} {'plan':>6}"
+        "   (MB; peaks, in full copies)"
+    )
     for figures in ranks:
         peaks = [figures[k] for k in ("peak_built_mb", "peak_before_checkpoint_mb", "peak_mb")]
         shown = " ".join(f"{mb:>7.0f} ({mb / full_mb:.1f})" for mb in peaks)
         print(f"{figures['rank']:>4} {figures['after_imports_mb']:>8.0f} {shown} {figures['plan_mb']:>6.0f}")
+
 
 if __name__ == "__main__":
     main()

@@ -85,8 +85,11 @@ class Run:
 
 
 def chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    return list(tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def chat_group(tokenizer, content: str, max_tokens: int, samples: int) -> Group:
@@ -96,8 +99,10 @@ def chat_group(tokenizer, content: str, max_tokens: int, samples: int) -> Group:
 
 def arithmetic_groups(tokenizer, count: int, seed: int, max_tokens: list[int], samples: int) -> list[Group]:
     problems = sample_problems(count, digits=2, seed=seed)
-    return [chat_group(tokenizer, prompt_messages(p)[0].content, m, samples)
-            for p, m in zip(problems, max_tokens, strict=True)]
+    return [
+        chat_group(tokenizer, prompt_messages(p)[0].content, m, samples)
+        for p, m in zip(problems, max_tokens, strict=True)
+    ]
 
 
 def workloads(tokenizer, quick: bool) -> list[Workload]:
@@ -106,8 +111,11 @@ def workloads(tokenizer, quick: bool) -> list[Workload]:
     return [
         Workload("grpo", arithmetic_groups(tokenizer, groups, 1, [64] * groups, size), ignore_eos=True),
         Workload("natural", arithmetic_groups(tokenizer, groups, 2, [64] * groups, size), ignore_eos=False),
-        Workload("long-tail", arithmetic_groups(tokenizer, tail, 3, [rng.randint(16, 128) for _ in range(tail)], 1),
-                 ignore_eos=True),
+        Workload(
+            "long-tail",
+            arithmetic_groups(tokenizer, tail, 3, [rng.randint(16, 128) for _ in range(tail)], 1),
+            ignore_eos=True,
+        ),
     ]
 
 
@@ -129,15 +137,23 @@ def long_prompt_group(tokenizer, length: int, samples: int) -> Group:
 
 
 def new_engine(model, tokenizer, workload: Workload) -> LocalEngine:
-    return LocalEngine(model, tokenizer, max_concurrent=ROWS_PER_CALL, seed=0,
-                       eos_token_ids=() if workload.ignore_eos else None)
+    return LocalEngine(
+        model,
+        tokenizer,
+        max_concurrent=ROWS_PER_CALL,
+        seed=0,
+        eos_token_ids=() if workload.ignore_eos else None,
+    )
 
 
 def run_engine(engine: LocalEngine, workload: Workload) -> Run:
     """All groups submitted at once (at most 64 sequences decode together)."""
     requests = [
-        InferenceRequest(prompt=g.messages, n=g.samples,
-                         generation_args=GenerationArgs(temperature=workload.temperature, max_tokens=g.max_tokens))
+        InferenceRequest(
+            prompt=g.messages,
+            n=g.samples,
+            generation_args=GenerationArgs(temperature=workload.temperature, max_tokens=g.max_tokens),
+        )
         for g in workload.groups
     ]
 
@@ -161,14 +177,23 @@ def run_generate(model, tokenizer, workload: Workload) -> Run:
     completions, cache_bytes = [], 0
     started = time.perf_counter()
     prompts = [chat_ids(tokenizer, g.messages) for g in workload.groups]
-    rows = [(ids, g.max_tokens) for ids, g in zip(prompts, workload.groups, strict=True) for _ in range(g.samples)]
+    rows = [
+        (ids, g.max_tokens) for ids, g in zip(prompts, workload.groups, strict=True) for _ in range(g.samples)
+    ]
     for start in range(0, len(rows), ROWS_PER_CALL):
         batch = rows[start : start + ROWS_PER_CALL]
-        padded = tokenizer.pad({"input_ids": [ids for ids, _ in batch]}, padding_side="left", return_tensors="pt")
+        padded = tokenizer.pad(
+            {"input_ids": [ids for ids, _ in batch]}, padding_side="left", return_tensors="pt"
+        )
         with torch.inference_mode():
             out = model.generate(
-                **padded, do_sample=True, temperature=workload.temperature, top_k=0, top_p=1.0,
-                max_new_tokens=max(m for _, m in batch), pad_token_id=tokenizer.pad_token_id,
+                **padded,
+                do_sample=True,
+                temperature=workload.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max(m for _, m in batch),
+                pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=None if workload.ignore_eos else sorted(eos_ids),
                 return_dict_in_generate=True,
             )
@@ -294,8 +319,10 @@ def compare(model, tokenizer, workload: Workload, repeats: int) -> dict[str, lis
     The engine is built once and serves every repeat, as the trainer's engine serves every step;
     each runner runs once untimed before the repeats."""
     engine = new_engine(model, tokenizer, workload)
-    runners = {"engine": lambda _: run_engine(engine, workload),
-               "generate": lambda _: run_generate(model, tokenizer, workload)}
+    runners = {
+        "engine": lambda _: run_engine(engine, workload),
+        "generate": lambda _: run_generate(model, tokenizer, workload),
+    }
     for runner in runners.values():
         runner(-1)
     return interleaved(repeats, runners)
@@ -313,49 +340,69 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(args.model)
     model.eval()
     params = sum(p.numel() for p in model.parameters())
-    print(f"model {args.model}: {params / 1e6:.2f}M parameters, {next(model.parameters()).dtype}, "
-          f"{next(model.parameters()).device}, torch threads {torch.get_num_threads()}, "
-          f"engine fast path: {LocalEngine(model, tokenizer).uses_fast_path}")
+    print(
+        f"model {args.model}: {params / 1e6:.2f}M parameters, {next(model.parameters()).dtype}, "
+        f"{next(model.parameters()).device}, torch threads {torch.get_num_threads()}, "
+        f"engine fast path: {LocalEngine(model, tokenizer).uses_fast_path}"
+    )
     peak = matmul_peak()
     print(f"fp32 matmul peak (1024^3, best over 2 s): {peak / 1e9:.1f} GFLOP/s")
-    print(f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "
-          f"(q1-q3: the middle half of the repeats' ratios)\n")
+    print(
+        f"median of {args.repeats} interleaved repeats; ratio = engine / generate within a repeat "
+        f"(q1-q3: the middle half of the repeats' ratios)\n"
+    )
     step = decode_step_ms(model, args.repeats)
-    print(f"one 64-row decode step: engine decoder {step['engine']:.2f} ms; "
-          f"model(...) + DynamicCache {step['forward']:.2f} ms\n")
+    print(
+        f"one 64-row decode step: engine decoder {step['engine']:.2f} ms; "
+        f"model(...) + DynamicCache {step['forward']:.2f} ms\n"
+    )
 
-    header = (f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} {'q1-q3':<11} "
-              f"{'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
-              f"{'KV generate':>12}")
+    header = (
+        f"{'workload':<10} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>7} {'q1-q3':<11} "
+        f"{'engine GFLOP/s':>15} {'of peak':>8} {'generate':>9} {'KV engine':>10} "
+        f"{'KV generate':>12}"
+    )
     print(header)
     for workload in workloads(tokenizer, args.quick):
         runs = compare(model, tokenizer, workload, args.repeats)
         rates = {name: [r.tokens / r.seconds for r in rs] for name, rs in runs.items()}
         ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
         # Useful FLOPs of what each produced, over its median time.
-        flops = {name: statistics.median(model_flops(model, r.completions, workload.groups) / r.seconds for r in rs)
-                 for name, rs in runs.items()}
+        flops = {
+            name: statistics.median(
+                model_flops(model, r.completions, workload.groups) / r.seconds for r in rs
+            )
+            for name, rs in runs.items()
+        }
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}
-        print(f"{workload.name:<10} {runs['engine'][0].tokens:>7} {statistics.median(rates['engine']):>13.0f} "
-              f"{statistics.median(rates['generate']):>15.0f} {statistics.median(ratios):>6.2f}x "
-              f"{quartiles(ratios)} "
-              f"{flops['engine'] / 1e9:>15.1f} "
-              f"{flops['engine'] / peak:>8.1%} {flops['generate'] / peak:>9.1%} {kv['engine']:>6.1f} MiB "
-              f"{kv['generate']:>8.1f} MiB")
+        print(
+            f"{workload.name:<10} {runs['engine'][0].tokens:>7} {statistics.median(rates['engine']):>13.0f} "
+            f"{statistics.median(rates['generate']):>15.0f} {statistics.median(ratios):>6.2f}x "
+            f"{quartiles(ratios)} "
+            f"{flops['engine'] / 1e9:>15.1f} "
+            f"{flops['engine'] / peak:>8.1%} {flops['generate'] / peak:>9.1%} {kv['engine']:>6.1f} MiB "
+            f"{kv['generate']:>8.1f} MiB"
+        )
 
     print("\ncost per sample vs group size (one shared ~256-token prompt, 64 new tokens each, eos ignored)")
-    print(f"{'group':>5} {'prompt':>7} {'engine ms/sample':>17} {'vs n=1':>7} {'generate ms/sample':>19} "
-          f"{'vs n=1':>7} {'KV engine':>10} {'KV generate':>12}")
+    print(
+        f"{'group':>5} {'prompt':>7} {'engine ms/sample':>17} {'vs n=1':>7} {'generate ms/sample':>19} "
+        f"{'vs n=1':>7} {'KV engine':>10} {'KV generate':>12}"
+    )
     base: dict[str, float] = {}
     for size in (1, 2, 4, 8, 16):
         group = long_prompt_group(tokenizer, 256, size)
         runs = compare(model, tokenizer, Workload(f"group{size}", [group], ignore_eos=True), args.repeats)
-        per_sample = {name: 1e3 * statistics.median(r.seconds for r in rs) / size for name, rs in runs.items()}
+        per_sample = {
+            name: 1e3 * statistics.median(r.seconds for r in rs) / size for name, rs in runs.items()
+        }
         base = base or per_sample
         kv = {name: max(r.cache_bytes for r in rs) / 2**20 for name, rs in runs.items()}
-        print(f"{size:>5} {len(group.prompt_ids):>7} {per_sample['engine']:>17.1f} "
-              f"{per_sample['engine'] / base['engine']:>7.2f} {per_sample['generate']:>19.1f} "
-              f"{per_sample['generate'] / base['generate']:>7.2f} {kv['engine']:>6.2f} MiB {kv['generate']:>8.2f} MiB")
+        print(
+            f"{size:>5} {len(group.prompt_ids):>7} {per_sample['engine']:>17.1f} "
+            f"{per_sample['engine'] / base['engine']:>7.2f} {per_sample['generate']:>19.1f} "
+            f"{per_sample['generate'] / base['generate']:>7.2f} {kv['engine']:>6.2f} MiB {kv['generate']:>8.2f} MiB"
+        )
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     print(f"\nprocess peak RSS: {peak_rss:.0f} MiB (model, both runners, allocator caches)")
     if torch.cuda.is_available():

@@ -1,4 +1,5 @@
-"""The embedded engine and the trainer on a GPU at real size: throughput, memory plan against peak, FLOP share.
+"""The embedded engine and the trainer on a GPU at real size: throughput, memory plan against peak, FLOP
+share.
 
     python bench/gpu.py [--sizes 0.5b 1.5b] [--prompts 64] [--group-size 8] [--prompt-tokens 128]
                         [--new-tokens 512] [--micro-batch-tokens 16384] [--pack-row-tokens 4096]
@@ -51,13 +52,34 @@ from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup, TokenRol
 
 # Qwen2.5's config.json fields that set parameter counts and activation sizes.
 SIZES: dict[str, dict[str, int | bool]] = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=4096, tie_word_embeddings=True),
-}  # fmt: skip
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 @dataclass
@@ -117,14 +139,21 @@ def forward_flops(model: torch.nn.Module, lengths: list[tuple[int, int]], shared
 
 def prompts_of(shape: Shape, vocab: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
-    return [torch.randint(3, vocab, (shape.prompt_tokens,), generator=generator).tolist() for _ in range(shape.prompts)]
+    return [
+        torch.randint(3, vocab, (shape.prompt_tokens,), generator=generator).tolist()
+        for _ in range(shape.prompts)
+    ]
 
 
-def run_engine(engine: LocalEngine, prompts: list[list[int]], shape: Shape, new_tokens: int) -> tuple[float, list]:
+def run_engine(
+    engine: LocalEngine, prompts: list[list[int]], shape: Shape, new_tokens: int
+) -> tuple[float, list]:
     # The prompt text is one token appended to the random ids (the engine needs a prompt).
     args = GenerationArgs(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
-    requests = [InferenceRequest(prompt=" 1", prompt_token_ids=ids, n=shape.group_size, generation_args=args)
-                for ids in prompts]  # fmt: skip
+    requests = [
+        InferenceRequest(prompt=" 1", prompt_token_ids=ids, n=shape.group_size, generation_args=args)
+        for ids in prompts
+    ]
 
     async def generate_all():
         return await asyncio.gather(*(engine.agenerate(r) for r in requests))
@@ -141,20 +170,36 @@ def run_generate(model, full_prompts: list[list[int]], shape: Shape, new_tokens:
     synchronize(model.device.type)
     began = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(rows, attention_mask=torch.ones_like(rows), do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        out = model.generate(
+            rows,
+            attention_mask=torch.ones_like(rows),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
     synchronize(model.device.type)
     assert out.shape[1] == rows.shape[1] + new_tokens
     return time.perf_counter() - began
 
 
-def generation(master: Qwen2ForCausalLM, tokenizer, shape: Shape, peak: float,
-               reference: bool) -> tuple[dict[str, float], list]:
+def generation(
+    master: Qwen2ForCausalLM, tokenizer, shape: Shape, peak: float, reference: bool
+) -> tuple[dict[str, float], list]:
     served = copy.deepcopy(master).to(torch.bfloat16).eval()
     prompts = prompts_of(shape, master.config.vocab_size)
     context = shape.prompt_tokens + 8 + shape.new_tokens
-    engine = LocalEngine(served, tokenizer, max_concurrent=shape.rows, seed=0, eos_token_ids=(),
-                         max_batch_tokens=shape.prompts * context + shape.rows * shape.new_tokens)  # fmt: skip
+    engine = LocalEngine(
+        served,
+        tokenizer,
+        max_concurrent=shape.rows,
+        seed=0,
+        eos_token_ids=(),
+        max_batch_tokens=shape.prompts * context + shape.rows * shape.new_tokens,
+    )
     run_engine(engine, prompts, shape, 8)
     engine_s, results = run_engine(engine, prompts, shape, shape.new_tokens)
     generate_s = float("nan")
@@ -166,38 +211,80 @@ def generation(master: Qwen2ForCausalLM, tokenizer, shape: Shape, peak: float,
     tokens = sum(c for _, c in lengths)
     flops = forward_flops(served, lengths, shared_prompts=shape.prompts)
     del engine, served
-    figures = {"engine_tok_s": tokens / engine_s, "generate_tok_s": tokens / generate_s,
-               "engine_mfu": flops / engine_s / peak, "generate_mfu": flops / generate_s / peak}  # fmt: skip
+    figures = {
+        "engine_tok_s": tokens / engine_s,
+        "generate_tok_s": tokens / generate_s,
+        "engine_mfu": flops / engine_s / peak,
+        "generate_mfu": flops / generate_s / peak,
+    }
     return figures, results
 
 
 def groups_of(results: list) -> list[RolloutGroup]:
     rewards = torch.Generator().manual_seed(2)
-    return [RolloutGroup(group_id=f"g{g}", rollouts=[
-        TokenRollout(trajectory=[r.prompt_token_ids, r.token_ids],
-                     generation_mask=[[False] * len(r.prompt_token_ids), [True] * len(r.token_ids)],
-                     logprobs=[[0.0] * len(r.prompt_token_ids), r.logprobs],
-                     reward=float(torch.rand((), generator=rewards) < 0.5), env_id="bench", problem_id=f"p{g}")
-        for r in responses]) for g, responses in enumerate(results)]  # fmt: skip
+    return [
+        RolloutGroup(
+            group_id=f"g{g}",
+            rollouts=[
+                TokenRollout(
+                    trajectory=[r.prompt_token_ids, r.token_ids],
+                    generation_mask=[[False] * len(r.prompt_token_ids), [True] * len(r.token_ids)],
+                    logprobs=[[0.0] * len(r.prompt_token_ids), r.logprobs],
+                    reward=float(torch.rand((), generator=rewards) < 0.5),
+                    env_id="bench",
+                    problem_id=f"p{g}",
+                )
+                for r in responses
+            ],
+        )
+        for g, responses in enumerate(results)
+    ]
 
 
-def training(master: Qwen2ForCausalLM, groups: list[RolloutGroup], shape: Shape, args: argparse.Namespace,
-             checkpointing: bool, peak: float) -> dict[str, float]:
+def training(
+    master: Qwen2ForCausalLM,
+    groups: list[RolloutGroup],
+    shape: Shape,
+    args: argparse.Namespace,
+    checkpointing: bool,
+    peak: float,
+) -> dict[str, float]:
     device = master.device.type
     policy = copy.deepcopy(master).train()
     if checkpointing:
         enable_activation_checkpointing(policy)
-    config = TrainingConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens, pack_row_tokens=args.pack_row_tokens,
-                            share_prefixes=args.share_prefixes, activation_checkpointing=checkpointing)  # fmt: skip
+    config = TrainingConfig(
+        lr=1e-6,
+        micro_batch_tokens=args.micro_batch_tokens,
+        pack_row_tokens=args.pack_row_tokens,
+        share_prefixes=args.share_prefixes,
+        activation_checkpointing=checkpointing,
+    )
     algorithm = AlgorithmConfig()
-    settings = MemorySettings(master_dtype=torch.float32, compute_dtype=torch.bfloat16, world_size=1,
-                              micro_batch_tokens=config.micro_batch_tokens, activation_checkpointing=checkpointing,
-                              reference_model=False, engine_tokens=None)  # fmt: skip
+    settings = MemorySettings(
+        master_dtype=torch.float32,
+        compute_dtype=torch.bfloat16,
+        world_size=1,
+        micro_batch_tokens=config.micro_batch_tokens,
+        activation_checkpointing=checkpointing,
+        reference_model=False,
+        engine_tokens=None,
+    )
     plan = plan_memory(policy, settings, device)
     optimizer, _ = build_optimizer(policy, config)
-    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=config, generation_args=GenerationArgs(),
-                          max_tokens=shape.new_tokens, pad_token_id=0, compute_dtype=torch.bfloat16)  # fmt: skip
-    batch, _ = prepare_batch(groups, group_size=shape.group_size, algorithm=algorithm, max_tokens=shape.new_tokens)
+    update = PolicyUpdate(
+        policy,
+        optimizer,
+        algorithm=algorithm,
+        training=config,
+        generation_args=GenerationArgs(),
+        max_tokens=shape.new_tokens,
+        pad_token_id=0,
+        compute_dtype=torch.bfloat16,
+    )
+    batch, _ = prepare_batch(
+        groups, group_size=shape.group_size, algorithm=algorithm, max_tokens=shape.new_tokens
+    )
     trained = [r for r, a in zip(batch.rollouts, batch.advantages.tolist(), strict=True) if a != 0]
     tokens = sum(len(r.tokens) for r in trained)
     lengths = [(len(r.trajectory[0]), len(r.trajectory[1])) for r in trained]
@@ -215,9 +302,16 @@ def training(master: Qwen2ForCausalLM, groups: list[RolloutGroup], shape: Shape,
     seconds = statistics.median(times[1:])
     flops = 3 * forward_flops(policy, lengths, shared_prompts=0)
     del update, optimizer, policy
-    return {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "mfu": flops / seconds / peak,
-            "plan_gb": plan.total() / GB, "peak_gb": max(peaks[1:]), "first_peak_gb": peaks[0],
-            "mismatch_kl": metrics.get("mismatch_kl", float("nan"))}  # fmt: skip
+    return {
+        "tok_s": tokens / seconds,
+        "seconds": seconds,
+        "tokens": tokens,
+        "mfu": flops / seconds / peak,
+        "plan_gb": plan.total() / GB,
+        "peak_gb": max(peaks[1:]),
+        "first_peak_gb": peaks[0],
+        "mismatch_kl": metrics.get("mismatch_kl", float("nan")),
+    }
 
 
 def free(device: str) -> None:
@@ -227,7 +321,9 @@ def free(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["0.5b", "1.5b"])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
@@ -236,12 +332,22 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--pack-row-tokens", type=int, default=4096)
     parser.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                        help="deterministic kernels, as the trainer runs by default (training.deterministic)")
+    parser.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="deterministic kernels, as the trainer runs by default (training.deterministic)",
+    )
     parser.add_argument("--checkpointing", choices=["both", "off", "on"], default="both")
-    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                        help="time Hugging Face generate beside the engine")
-    parser.add_argument("--steps", type=int, default=3, help="training steps timed per mode (the first untimed)")
+    parser.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time Hugging Face generate beside the engine",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="training steps timed per mode (the first untimed)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = Shape(args.prompts, args.group_size, args.prompt_tokens, args.new_tokens)
@@ -249,42 +355,57 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("arithmetic"))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     peak = bf16_peak(device)
-    print(f"{name}; torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}; "
-          f"bfloat16 matrix peak {peak / 1e12:.0f} TFLOP/s (measured)")  # fmt: skip
-    print(f"batch: {shape.prompts} prompts x {shape.group_size} samples, {shape.prompt_tokens} prompt + "
-          f"{shape.new_tokens} new tokens; micro_batch_tokens {args.micro_batch_tokens}, pack_row_tokens "
-          f"{args.pack_row_tokens}", flush=True)  # fmt: skip
+    print(
+        f"{name}; torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}; "
+        f"bfloat16 matrix peak {peak / 1e12:.0f} TFLOP/s (measured)"
+    )
+    print(
+        f"batch: {shape.prompts} prompts x {shape.group_size} samples, {shape.prompt_tokens} prompt + "
+        f"{shape.new_tokens} new tokens; micro_batch_tokens {args.micro_batch_tokens}, pack_row_tokens "
+        f"{args.pack_row_tokens}",
+        flush=True,
+    )
     rows = []
     for size in args.sizes:
         master = build_model(size, device, max_positions=shape.prompt_tokens + shape.new_tokens + 64)
         parameters = sum(p.numel() for p in master.parameters())
         gen, results = generation(master, tokenizer, shape, peak, args.reference)
         free(device)
-        print(f"{size}: {parameters / 1e9:.2f}B parameters; engine {gen['engine_tok_s']:.0f} tok/s "
-              f"({gen['engine_mfu']:.1%} of peak), generate {gen['generate_tok_s']:.0f} tok/s "
-              f"({gen['generate_mfu']:.1%})", flush=True)  # fmt: skip
+        print(
+            f"{size}: {parameters / 1e9:.2f}B parameters; engine {gen['engine_tok_s']:.0f} tok/s "
+            f"({gen['engine_mfu']:.1%} of peak), generate {gen['generate_tok_s']:.0f} tok/s "
+            f"({gen['generate_mfu']:.1%})",
+            flush=True,
+        )
         groups = groups_of(results)
         for checkpointing in {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]:
             train = training(master, groups, shape, args, checkpointing, peak)
             free(device)
             error = train["plan_gb"] / train["peak_gb"] - 1
             label = "checkpointed" if checkpointing else "kept"
-            print(f"{size} {label}: {train['tokens']} tokens in {train['seconds']:.2f} s, {train['tok_s']:.0f} tok/s "
-                  f"({train['mfu']:.1%} of peak); plan {train['plan_gb']:.2f} GB, peak {train['peak_gb']:.2f} GB "
-                  f"(first step {train['first_peak_gb']:.2f}), plan error {error:+.1%}; mismatch KL "
-                  f"{train['mismatch_kl']:.1e}", flush=True)  # fmt: skip
+            print(
+                f"{size} {label}: {train['tokens']} tokens in {train['seconds']:.2f} s, {train['tok_s']:.0f} tok/s "
+                f"({train['mfu']:.1%} of peak); plan {train['plan_gb']:.2f} GB, peak {train['peak_gb']:.2f} GB "
+                f"(first step {train['first_peak_gb']:.2f}), plan error {error:+.1%}; mismatch KL "
+                f"{train['mismatch_kl']:.1e}",
+                flush=True,
+            )
             rows.append((size, parameters, gen, label, train, error))
         del master, results, groups
         free(device)
 
-    print("\n| model | parameters | engine tok/s | generate tok/s | engine / generate | engine FLOP share "
-          "| activations | train tok/s | train FLOP share | plan GB | peak GB | plan error |")  # fmt: skip
+    print(
+        "\n| model | parameters | engine tok/s | generate tok/s | engine / generate | engine FLOP share "
+        "| activations | train tok/s | train FLOP share | plan GB | peak GB | plan error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size, parameters, gen, label, train, error in rows:
-        print(f"| Qwen2.5-{size.upper()} shape | {parameters / 1e9:.2f}B | {gen['engine_tok_s']:.0f} | "
-              f"{gen['generate_tok_s']:.0f} | {gen['engine_tok_s'] / gen['generate_tok_s']:.2f}x | "
-              f"{gen['engine_mfu']:.1%} | {label} | {train['tok_s']:.0f} | {train['mfu']:.1%} | "
-              f"{train['plan_gb']:.2f} | {train['peak_gb']:.2f} | {error:+.1%} |")  # fmt: skip
+        print(
+            f"| Qwen2.5-{size.upper()} shape | {parameters / 1e9:.2f}B | {gen['engine_tok_s']:.0f} | "
+            f"{gen['generate_tok_s']:.0f} | {gen['engine_tok_s'] / gen['generate_tok_s']:.2f}x | "
+            f"{gen['engine_mfu']:.1%} | {label} | {train['tok_s']:.0f} | {train['mfu']:.1%} | "
+            f"{train['plan_gb']:.2f} | {train['peak_gb']:.2f} | {error:+.1%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,16 @@ Trainer(load_config(None, overrides)).run()
 
 
 def run(lag: int, steps: int, run_dir: Path) -> dict[str, float]:
-    overrides = [f"run_dir={run_dir}", f"training.steps={steps}", f"training.generation_lag={lag}",
-                 "evaluation.at_start=false", "evaluation.every=0", "checkpoint.every=0", "logging.progress=off",
-                 "logging.tensorboard=false"]  # fmt: skip
+    overrides = [
+        f"run_dir={run_dir}",
+        f"training.steps={steps}",
+        f"training.generation_lag={lag}",
+        "evaluation.at_start=false",
+        "evaluation.every=0",
+        "checkpoint.every=0",
+        "logging.progress=off",
+        "logging.tensorboard=false",
+    ]
     subprocess.run([sys.executable, "-c", RUN, *overrides], check=True, stdout=subprocess.DEVNULL)
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -52,18 +59,25 @@ def run(lag: int, steps: int, run_dir: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     print(f"{args.steps} demo steps per run\n")
-    print("| lag | s/step (median) | waiting for rollouts (s) | staleness mean / max | reward (last 10 steps) | pass@1 after |")
+    print(
+        "| lag | s/step (median) | waiting for rollouts (s) | staleness mean / max | reward (last 10 steps) | pass@1 after |"
+    )
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for lag in args.lags:
             f = run(lag, args.steps, Path(scratch) / f"lag{lag}")
-            print(f"| {lag} | {f['step_s']:.3f} | {f['wait_s']:.3f} | {f['staleness_mean']:.2f} / {f['staleness_max']:.0f} "
-                  f"| {f['reward_last10']:.3f} | {f['pass@1']:.3f} |", flush=True)  # fmt: skip
+            print(
+                f"| {lag} | {f['step_s']:.3f} | {f['wait_s']:.3f} | {f['staleness_mean']:.2f} / {f['staleness_max']:.0f} "
+                f"| {f['reward_last10']:.3f} | {f['pass@1']:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -46,16 +46,34 @@ H100_BYTES = 80 * 10**9
 # The hub's config.json of each model, the fields that matter here (Qwen2.5 family: 32k-131k context,
 # rope theta 1e6, q/k/v biases; biases are counted by the model class itself).
 MODEL_CONFIGS: dict[str, dict[str, int | bool]] = {
-    "Qwen/Qwen2.5-1.5B-Instruct": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                                       num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                                       tie_word_embeddings=True),
-    "Qwen/Qwen2.5-7B-Instruct": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                                     tie_word_embeddings=False),
-    "Qwen/Qwen2.5-32B": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
-                             num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
-                             tie_word_embeddings=False),
-}  # fmt: skip
+    "Qwen/Qwen2.5-1.5B-Instruct": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen2.5-32B": dict(
+        hidden_size=5120,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        intermediate_size=27648,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -88,22 +106,27 @@ def model_shape(spec: str) -> ModelShape:
 def settings_of(config: RunConfig, world_size: int) -> MemorySettings:
     """The plan's settings for `config` over `world_size` training processes (as the trainer builds them)."""
     return MemorySettings(
-        master_dtype=DTYPES[config.training.master_dtype], compute_dtype=DTYPES[config.model.dtype],
-        world_size=world_size, micro_batch_tokens=config.training.micro_batch_tokens,
+        master_dtype=DTYPES[config.training.master_dtype],
+        compute_dtype=DTYPES[config.model.dtype],
+        world_size=world_size,
+        micro_batch_tokens=config.training.micro_batch_tokens,
         activation_checkpointing=config.training.activation_checkpointing,
         reference_model=config.algorithm.kl_beta > 0,
         engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
-    )  # fmt: skip
+    )
 
 
 def plan_of(layout: Layout) -> tuple[RunConfig, MemoryPlan]:
     config = load_config(ROOT / "examples" / layout.example)
-    plan = MemoryPlan(model_shape(config.model.spec), settings_of(config, layout.train_gpus), "cuda", H100_BYTES, 0)
+    plan = MemoryPlan(
+        model_shape(config.model.spec), settings_of(config, layout.train_gpus), "cuda", H100_BYTES, 0
+    )
     return config, plan
 
 
 def rank0_extras(config: RunConfig, plan: MemoryPlan) -> tuple[float, float]:
-    """GB of rank 0's transient load into host memory, and of the copy of the weights its host keeps for syncs."""
+    """GB of rank 0's transient load into host memory, and of the copy of the weights its host keeps for
+    syncs."""
     load = plan.shape.parameters * DTYPES[config.training.master_dtype].itemsize
     return load / GB, plan.shape.parameters * DTYPES[config.model.dtype].itemsize / GB
 
@@ -128,11 +151,15 @@ def main() -> None:
             print(f"== examples/{layout.example}: {layout.label}")
             print(plan.render())
             fits = "fits" if plan.fits() else "DOES NOT FIT"
-            print(f"{fits} in {H100_BYTES / GB:.0f} GB per GPU; rank 0's host memory also loads the whole model "
-                  f"before it is sharded ({load_gb:.1f} GB, transient) and keeps {host_gb:.1f} GB of weights "
-                  "for weight syncs\n")  # fmt: skip
-    print("| example | layout | parameters | compute / master | micro-batch tokens | checkpointing "
-          "| rank 0 GB | other ranks GB | rank 0 host load GB | rank 0 host sync GB |")  # fmt: skip
+            print(
+                f"{fits} in {H100_BYTES / GB:.0f} GB per GPU; rank 0's host memory also loads the whole model "
+                f"before it is sharded ({load_gb:.1f} GB, transient) and keeps {host_gb:.1f} GB of weights "
+                "for weight syncs\n"
+            )
+    print(
+        "| example | layout | parameters | compute / master | micro-batch tokens | checkpointing "
+        "| rank 0 GB | other ranks GB | rank 0 host load GB | rank 0 host sync GB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -51,9 +51,16 @@ def tiny_model() -> tuple[torch.nn.Module, str]:
         return model.float().train(), "tiny://arithmetic (load_model)"
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     return Qwen2ForCausalLM(
         config
     ).train(), "random Qwen2 with the tiny model's shape (load_model not available)"
@@ -96,13 +103,17 @@ def throughput(repeats: int, bin_sizes: list[int]) -> None:
     groups = [list(range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)) for g in range(GROUPS)]
     layouts = {"padded": [build_batch(sequences, [[i] for i in group], masks) for group in groups]}
     slots = sum(b.input_ids.numel() for b in layouts["padded"])
-    print(f"padded: {GROUPS} micro-batches (one group of {GROUP_SIZE} rows each), {slots} token slots, "
-          f"{real_tokens / slots:.1%} of them real")  # fmt: skip
+    print(
+        f"padded: {GROUPS} micro-batches (one group of {GROUP_SIZE} rows each), {slots} token slots, "
+        f"{real_tokens / slots:.1%} of them real"
+    )
     for bin_tokens in bin_sizes:
         bins = pack(lengths, bin_tokens)
         layouts[f"packed {bin_tokens}"] = [build_batch(sequences, [b], masks) for b in bins]
-        print(f"packed {bin_tokens}: {len(bins)} bins of <= {bin_tokens} tokens, packing efficiency "
-              f"{packing_efficiency(lengths, bins, bin_tokens):.1%} (real tokens / bin tokens)")  # fmt: skip
+        print(
+            f"packed {bin_tokens}: {len(bins)} bins of <= {bin_tokens} tokens, packing efficiency "
+            f"{packing_efficiency(lengths, bins, bin_tokens):.1%} (real tokens / bin tokens)"
+        )
 
     train_pass(model, [batches[0] for batches in layouts.values()])  # warm-up: first-call allocations
     wall: dict[str, list[float]] = {name: [] for name in layouts}
@@ -113,12 +124,16 @@ def throughput(repeats: int, bin_sizes: list[int]) -> None:
             train_pass(model, batches)
             wall[name].append(time.perf_counter() - wall_start)
             cpu[name].append(time.process_time() - cpu_start)
-    print(f"\ntraining tokens/s, forward+backward, best of {repeats} "
-          f"(per wall-clock second | per CPU second of this process, {torch.get_num_threads()} thread(s)):")  # fmt: skip
+    print(
+        f"\ntraining tokens/s, forward+backward, best of {repeats} "
+        f"(per wall-clock second | per CPU second of this process, {torch.get_num_threads()} thread(s)):"
+    )
     base_wall, base_cpu = min(wall["padded"]), min(cpu["padded"])
     for name in layouts:
-        print(f"  {name:12s} {real_tokens / min(wall[name]):8,.0f} | {real_tokens / min(cpu[name]):8,.0f}"
-              f"   speed-up vs padded {base_wall / min(wall[name]):.2f}x | {base_cpu / min(cpu[name]):.2f}x")  # fmt: skip
+        print(
+            f"  {name:12s} {real_tokens / min(wall[name]):8,.0f} | {real_tokens / min(cpu[name]):8,.0f}"
+            f"   speed-up vs padded {base_wall / min(wall[name]):.2f}x | {base_cpu / min(cpu[name]):.2f}x"
+        )
 
 
 def measure_memory(variant: str) -> dict:
@@ -152,8 +167,10 @@ def _status_kb(field: str) -> int:
 
 def memory() -> None:
     full_logits_mb = MEMORY_TOKENS * MEMORY_VOCAB * 4 / 2**20
-    print(f"\nlogprobs of {MEMORY_TOKENS} tokens over a {MEMORY_VOCAB} vocab (hidden {MEMORY_HIDDEN}), "
-          f"forward+backward; one float32 [tokens, vocab] tensor is {full_logits_mb:.0f} MB")  # fmt: skip
+    print(
+        f"\nlogprobs of {MEMORY_TOKENS} tokens over a {MEMORY_VOCAB} vocab (hidden {MEMORY_HIDDEN}), "
+        f"forward+backward; one float32 [tokens, vocab] tensor is {full_logits_mb:.0f} MB"
+    )
     peaks = {}
     for variant in ("naive", "chunked"):
         out = subprocess.run(

@@ -43,8 +43,9 @@ def inference_server(model: str, weights_dir: Path | None = None) -> Iterator[st
     extra = ["--weights-dir", str(weights_dir)] if weights_dir else []
     process = subprocess.Popen(
         [sys.executable, "-m", "llmrl", "serve-inference", "--model", model, "--port", str(port), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):
@@ -70,8 +71,12 @@ async def burst(base_url: str, count: int, max_tokens: int) -> tuple[float, list
 
         async def one(index: int) -> float | None:
             a, b = rng.randint(10, 99), rng.randint(10, 99)
-            body = {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "max_tokens": max_tokens,
-                    "seed": index, "logprobs": True}  # fmt: skip
+            body = {
+                "messages": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                "max_tokens": max_tokens,
+                "seed": index,
+                "logprobs": True,
+            }
             started = time.perf_counter()
             response = await client.post("/chat/completions", json=body)
             if response.status_code != 200 or not response.json()["choices"][0].get("token_ids"):
@@ -95,8 +100,10 @@ def bench_load(requests: int, max_tokens: int) -> None:
         asyncio.run(burst(base_url, 8, max_tokens))  # warm-up
         seconds, latencies, failures = asyncio.run(burst(base_url, requests, max_tokens))
     print(f"load: {requests} concurrent chat completions (max_tokens {max_tokens}) on the tiny model")
-    print(f"  {requests / seconds:.1f} requests/s, p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
-          f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms, failed or incomplete: {failures}")  # fmt: skip
+    print(
+        f"  {requests / seconds:.1f} requests/s, p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
+        f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms, failed or incomplete: {failures}"
+    )
 
 
 def random_100m_model(folder: Path) -> Path:
@@ -104,9 +111,16 @@ def random_100m_model(folder: Path) -> Path:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=True)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_model_path("arithmetic")).save_pretrained(folder)
@@ -134,13 +148,17 @@ def bench_sync(repeats: int) -> None:
                         started = time.perf_counter()
                         client.update_weights(state, version, reset=True)
                         times.append(time.perf_counter() - started)
-                    print(f"sync {name} ({parameters / 1e6:.1f}M parameters, {megabytes:.0f} MiB fp32) "
-                          f"by {mode}: best {min(times):.3f} s, median {statistics.median(times):.3f} s")  # fmt: skip
+                    print(
+                        f"sync {name} ({parameters / 1e6:.1f}M parameters, {megabytes:.0f} MiB fp32) "
+                        f"by {mode}: best {min(times):.3f} s, median {statistics.median(times):.3f} s"
+                    )
             shutil.rmtree(weights_dir)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--sync-repeats", type=int, default=3)

@@ -17,8 +17,11 @@ def accuracy(completions, solution, **kwargs):
         content = completion[0]["content"] if isinstance(completion, list) else completion
         tagged = re.search(r"<answer>(.*?)</answer>", content, re.DOTALL)
         answer = parse(tagged.group(1) if tagged else content, parsing_timeout=None)
-        rewards.append(None if not answer else float(verify(parse(reference, parsing_timeout=None), answer,
-                                                            timeout_seconds=None)))
+        rewards.append(
+            None
+            if not answer
+            else float(verify(parse(reference, parsing_timeout=None), answer, timeout_seconds=None))
+        )
     return rewards
 
 

@@ -123,7 +123,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not trainer.is_main:  # under torchrun, rank 0 reports
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120)
-    for key, title in (("eval_start", "before training (step 0)"), ("eval_end", f"after {summary['steps']} steps")):
+    for key, title in (
+        ("eval_start", "before training (step 0)"),
+        ("eval_end", f"after {summary['steps']} steps"),
+    ):
         if summary[key]:
             console.print(summary_table(summary[key], f"held-out evaluation {title}"))
     for env, change in _improvement(summary).items():
@@ -155,8 +158,14 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
     from llmrl.server.env_server import serve_env
 
     _server_logging()
-    serve_env(args.config, host=args.host, port=args.port, api_key=resolve_api_key(args.api_key),
-              overrides=args.overrides, inference_urls=args.inference_urls)  # fmt: skip
+    serve_env(
+        args.config,
+        host=args.host,
+        port=args.port,
+        api_key=resolve_api_key(args.api_key),
+        overrides=args.overrides,
+        inference_urls=args.inference_urls,
+    )
     return 0
 
 
@@ -165,17 +174,28 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
 
     _server_logging()
     serve_inference(
-        args.model, host=args.host, port=args.port, api_key=args.api_key, weights_dir=args.weights_dir,
-        dtype=args.dtype, seed=args.seed, max_batch_tokens=args.max_batch_tokens, max_concurrent=args.max_concurrent,
-    )  # fmt: skip
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        weights_dir=args.weights_dir,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_batch_tokens=args.max_batch_tokens,
+        max_concurrent=args.max_concurrent,
+    )
     return 0
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=default_port, help=f"port to listen on (default {default_port})")
     parser.add_argument(
-        "--api-key", default=None, help="bearer token every request must send (default: $LLMRL_API_KEY, else none)"
+        "--port", type=int, default=default_port, help=f"port to listen on (default {default_port})"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token every request must send (default: $LLMRL_API_KEY, else none)",
     )
 
 
@@ -194,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def command(
+        name: str, handler: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.set_defaults(handler=handler)
         return sub
@@ -208,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(an unchanged config resumes without it)",
     )
 
-    evaluate = command("eval", cmd_eval, "Evaluate a model (pass@k, greedy accuracy) on the config's environments.")
+    evaluate = command(
+        "eval", cmd_eval, "Evaluate a model (pass@k, greedy accuracy) on the config's environments."
+    )
     _add_config_arguments(evaluate, required=False)
     evaluate.add_argument(
         "--model",
@@ -232,17 +256,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve_inference = command(
         "serve-inference", cmd_serve_inference, "Serve a model over an OpenAI-compatible HTTP API."
     )
-    serve_inference.add_argument("--model", required=True, help="model spec: tiny://arithmetic, a folder or hub id")
+    serve_inference.add_argument(
+        "--model", required=True, help="model spec: tiny://arithmetic, a folder or hub id"
+    )
     _add_server_arguments(serve_inference, default_port=8000)
-    serve_inference.add_argument("--weights-dir", default=None, help="the only folder POST /v1/weights may load files from")
+    serve_inference.add_argument(
+        "--weights-dir", default=None, help="the only folder POST /v1/weights may load files from"
+    )
     serve_inference.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve_inference.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
-    serve_inference.add_argument("--max-batch-tokens", type=int, default=8192, help="KV-cache admission budget")
-    serve_inference.add_argument("--max-concurrent", type=int, default=64, help="most sequences decoded together")
+    serve_inference.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="KV-cache admission budget"
+    )
+    serve_inference.add_argument(
+        "--max-concurrent", type=int, default=64, help="most sequences decoded together"
+    )
 
-    export = command("export", cmd_export, "Write a model (spec or folder) as a plain Hugging Face model folder.")
+    export = command(
+        "export", cmd_export, "Write a model (spec or folder) as a plain Hugging Face model folder."
+    )
     export.add_argument(
-        "source", help="run or checkpoint folder, model spec (tiny://arithmetic), Hugging Face folder or hub id"
+        "source",
+        help="run or checkpoint folder, model spec (tiny://arithmetic), Hugging Face folder or hub id",
     )
     export.add_argument("output", help="folder to write (must not exist or be empty)")
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -265,7 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"llmrl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except RuntimeError as exc:  # inference servers that would not start or take weights: their message says why
+    except (
+        RuntimeError
+    ) as exc:  # inference servers that would not start or take weights: their message says why
         if not _is_inference_failure(exc):
             raise
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)

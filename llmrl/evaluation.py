@@ -38,11 +38,17 @@ async def evaluate_environments(
         correct_threshold=config.correct_threshold,
         generation_args=generation_args,
     )
-    summary = {env_id: {"problems": float(len(r.results)), **evaluation_metrics(r)} for env_id, r in responses.items()}
+    summary = {
+        env_id: {"problems": float(len(r.results)), **evaluation_metrics(r)}
+        for env_id, r in responses.items()
+    }
     for env_id, metrics in summary.items():
         if metrics.get("failed_samples"):
-            log.warning("%s: %d evaluation sample(s) failed and were not scored (see the warnings above)",
-                        env_id, metrics["failed_samples"])  # fmt: skip
+            log.warning(
+                "%s: %d evaluation sample(s) failed and were not scored (see the warnings above)",
+                env_id,
+                metrics["failed_samples"],
+            )
     return summary
 
 

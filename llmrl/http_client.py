@@ -112,8 +112,10 @@ async def send(
             raise RequestRefused(f"{method} {url}: {failure}", status=status, failure=failure, detail=detail)
     raise ServerUnavailable(
         f"{method} {url}: no answer after {policy.retries + 1} attempt(s): {failure}",
-        status=status, failure=failure, detail=detail,
-    )  # fmt: skip
+        status=status,
+        failure=failure,
+        detail=detail,
+    )
 
 
 def error_message(response: httpx.Response) -> str:

@@ -52,9 +52,11 @@ class RegistryError(UserError):
 def _resolve(table: dict[str, str | type], kind: str, name: str) -> type:
     if not isinstance(name, str) or name not in table:
         valid = ", ".join(sorted(table))
-        hint = " Import paths are not accepted; register plug-ins via `plugins:` in a local config." if (
-            isinstance(name, str) and ("." in name or ":" in name)
-        ) else ""
+        hint = (
+            " Import paths are not accepted; register plug-ins via `plugins:` in a local config."
+            if (isinstance(name, str) and ("." in name or ":" in name))
+            else ""
+        )
         raise RegistryError(f"unknown {kind} {name!r}; valid names: {valid}.{hint}")
     entry = table[name]
     if isinstance(entry, type):
@@ -64,7 +66,9 @@ def _resolve(table: dict[str, str | type], kind: str, name: str) -> type:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name == module_name:
-            raise RegistryError(f"{kind} {name!r} is registered but not available in this version of llmrl") from None
+            raise RegistryError(
+                f"{kind} {name!r} is registered but not available in this version of llmrl"
+            ) from None
         raise
     cls = getattr(module, attr)
     table[name] = cls
@@ -121,7 +125,11 @@ def import_plugins(modules: list[str]) -> None:
     """
     for module in modules:
         try:
-            name = _import_file(Path(module)) if module.endswith(".py") else importlib.import_module(module).__name__
+            name = (
+                _import_file(Path(module))
+                if module.endswith(".py")
+                else importlib.import_module(module).__name__
+            )
         except (ImportError, OSError) as exc:
             raise RegistryError(f"plugins: cannot import {module!r}: {exc}") from None
         _plugin_modules.add(name)

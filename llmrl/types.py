@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 MIN_TEMPERATURE = 1e-5
-"""Smallest temperature above 0: below it ``logits / T`` overflows float32 (NaN probabilities); 0 is greedy."""
+"""Smallest temperature above 0: below it ``logits / T`` overflows float32 (NaN probabilities); 0 is
+greedy."""
 
 MAX_POLICY_VERSION = 2**63 - 1
 """Largest weight version (a signed 64-bit integer, as every client and store can hold it)."""
@@ -38,7 +39,9 @@ RolloutStatus = Literal["ok", "placeholder", "failed"]
 
 def validation_problems(errors: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     """pydantic's `errors()` as one line: ``{prefix}{loc.path}: {message}`` for each, joined by ``; ``."""
-    return "; ".join(f"{prefix}{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in errors)
+    return "; ".join(
+        f"{prefix}{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in errors
+    )
 
 
 class WireModel(BaseModel):
@@ -53,30 +56,47 @@ class GenerationArgs(WireModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(
-        1.0, ge=0.0, allow_inf_nan=False,
+        1.0,
+        ge=0.0,
+        allow_inf_nan=False,
         description=f"Softmax temperature; 0 means greedy decoding, otherwise at least {MIN_TEMPERATURE}.",
-    )  # fmt: skip
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 keeps all.")
+    )
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 keeps all."
+    )
     top_k: StrictInt = Field(0, ge=0, description="Keep the k most likely tokens; 0 turns top-k off.")
     min_p: float = Field(
-        0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+        0.0,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
         description="Keep tokens at least min_p times as likely as the most likely one; 0 turns it off.",
-    )  # fmt: skip
+    )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, allow_inf_nan=False, description="Divide the positive logits (multiply the negative ones) of tokens "
-        "already in the prompt or completion by this; 1 turns it off. Not for training."
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Divide the positive logits (multiply the negative ones) of tokens "
+        "already in the prompt or completion by this; 1 turns it off. Not for training.",
     )
     presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from the logits of tokens already in the completion; 0 turns it "
-        "off. Not for training."
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted from the logits of tokens already in the completion; 0 turns it "
+        "off. Not for training.",
     )
     min_tokens: StrictInt = Field(
-        0, ge=0, description="Completion tokens before eos and stop_token_ids may be sampled. Not for training."
+        0,
+        ge=0,
+        description="Completion tokens before eos and stop_token_ids may be sampled. Not for training.",
     )
     ignore_eos: bool = Field(False, description="Go on after eos (it no longer ends the completion).")
     max_tokens: StrictInt = Field(256, ge=1, description="Maximum number of completion tokens.")
     stop: tuple[str, ...] = Field((), description="Strings that end the completion (not included in it).")
-    stop_token_ids: tuple[StrictInt, ...] = Field((), description="Token ids that end the completion (included).")
+    stop_token_ids: tuple[StrictInt, ...] = Field(
+        (), description="Token ids that end the completion (included)."
+    )
     seed: StrictInt | None = Field(None, description="Sampling seed; the same seed gives the same tokens.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3."
@@ -86,7 +106,9 @@ class GenerationArgs(WireModel):
     @classmethod
     def _temperature_samples(cls, temperature: float) -> float:
         if 0 < temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}"
+            )
         return temperature
 
     @field_validator("stop")
@@ -191,7 +213,8 @@ class TokenRollout(WireModel):
 
     reward: float = 0.0
     reward_components: dict[str, float] = Field(
-        default_factory=dict, description="Named parts of the reward (reward functions' values), logged per environment."
+        default_factory=dict,
+        description="Named parts of the reward (reward functions' values), logged per environment.",
     )
     env_id: str = Field(min_length=1)
     problem_id: str = Field(min_length=1)
@@ -205,7 +228,8 @@ class TokenRollout(WireModel):
     generation_mask: list[list[bool]]
     logprobs: list[list[float]] | None = None
     generation_args: GenerationArgs | None = Field(
-        None, description="How the model turns were sampled: the trainer takes its logprobs of the same distribution."
+        None,
+        description="How the model turns were sampled: the trainer takes its logprobs of the same distribution.",
     )
     text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
 
@@ -399,7 +423,8 @@ DEFAULT_MAX_TOKENS = 16
 
 
 class GenerationFields(BaseModel):
-    """Fields shared by both generation routes. Unknown fields are kept: the server refuses those it does not implement."""
+    """Fields shared by both generation routes. Unknown fields are kept: the server refuses those it does not
+    implement."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -448,8 +473,12 @@ class OpenAIMessage(BaseModel):
 
 class ChatBody(GenerationFields):
     messages: list[OpenAIMessage] = Field(min_length=1)
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables of the chat template.")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables of the chat template."
+    )
+    max_completion_tokens: StrictInt | None = Field(
+        None, ge=1, description="OpenAI's newer name for max_tokens."
+    )
 
     def completion_limit(self) -> int:
         return self.max_completion_tokens or super().completion_limit()

@@ -13,7 +13,7 @@ from llmrl.rewards.answers import after_hashes, last_boxed
 
 HERE = Path(__file__).parent
 DAPO_INSTRUCTION = (
-    "Solve the problem below step by step. End your response with a line of the form \"Answer: X\", "
+    'Solve the problem below step by step. End your response with a line of the form "Answer: X", '
     "where X is the final answer.\n\n{problem}"
 )
 
@@ -26,7 +26,10 @@ def math_dapo_rows(split: str) -> list[dict]:
             "data_source": "math_dapo",
             "prompt": [{"role": "user", "content": DAPO_INSTRUCTION.format(problem=row["problem"])}],
             "ability": "MATH",
-            "reward_model": {"style": "rule-lighteval/MATH_v2", "ground_truth": last_boxed(row["solution"])[0]},
+            "reward_model": {
+                "style": "rule-lighteval/MATH_v2",
+                "ground_truth": last_boxed(row["solution"])[0],
+            },
             "extra_info": {"index": f"{split}-{i}", "type": row["type"]},
         }
         for i, row in enumerate(rows)

@@ -99,7 +99,8 @@ class Agent(ABC):
         group_size: int,
         generation_args: GenerationArgs | None = None,
     ) -> list[RolloutGroup]:
-        """`num_groups` training problems, `group_size` scored samples each; never raises for one bad sample."""
+        """`num_groups` training problems, `group_size` scored samples each; never raises for one bad
+        sample."""
 
     @abstractmethod
     async def evaluate(

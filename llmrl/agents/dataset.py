@@ -89,7 +89,8 @@ def load_rows(
 
 
 class DatasetAgent(RewardOnlyAgent):
-    """Problems from a dataset with a column mapping; reward functions, or exact match on the marked answer."""
+    """Problems from a dataset with a column mapping; reward functions, or exact match on the marked
+    answer."""
 
     column_fields: tuple[str, ...] = ("prompt_column", "answer_column", "id_column")
     """Attributes that name columns; each must exist in the data (None skips one)."""
@@ -118,7 +119,8 @@ class DatasetAgent(RewardOnlyAgent):
         Args:
             path / name / split: hub dataset name, its config and the training split.
             data_files: local files instead of `path` (json, jsonl, csv, parquet or arrow).
-            eval_split / eval_data_files: held-out evaluation data; without them `eval_size` rows are held out.
+            eval_split / eval_data_files: held-out evaluation data; without them `eval_size` rows are held
+            out.
             format: the data's layout, ``flat``, ``conversational`` or ``verl``; ``auto`` detects it.
             prompt_column / answer_column / id_column: column mapping (ids default to the row number); a
                 column may be a dotted path into struct columns. The answer defaults to ``answer``, or
@@ -140,10 +142,13 @@ class DatasetAgent(RewardOnlyAgent):
         if format not in LAYOUTS:
             raise ValueError(f"format: expected one of {list(LAYOUTS)}, got {format!r}")
         functions = [
-            RewardFunction.from_config(entry, f"reward_functions[{i}]") for i, entry in enumerate(reward_functions or [])
+            RewardFunction.from_config(entry, f"reward_functions[{i}]")
+            for i, entry in enumerate(reward_functions or [])
         ]
         if functions and type(self).reward is not DatasetAgent.reward:
-            raise ValueError(f"reward_functions: {type(self).__name__} has a reward of its own; use agent_type dataset")
+            raise ValueError(
+                f"reward_functions: {type(self).__name__} has a reward of its own; use agent_type dataset"
+            )
         self.prompt_column = prompt_column
         self.id_column = id_column
         self.data_source = data_source
@@ -163,8 +168,13 @@ class DatasetAgent(RewardOnlyAgent):
             self.answer_column = None  # reward functions that need no answer, on data without the default one
         self._eval_rows = None
         if eval_split is not None or eval_data_files is not None:
-            self._eval_rows = load_rows(path=path, data_files=eval_data_files, name=name, split=eval_split or split)
-        for rows, source in ((self._rows, self._source), (self._eval_rows, _describe_source(path, eval_data_files, eval_split or split))):
+            self._eval_rows = load_rows(
+                path=path, data_files=eval_data_files, name=name, split=eval_split or split
+            )
+        for rows, source in (
+            (self._rows, self._source),
+            (self._eval_rows, _describe_source(path, eval_data_files, eval_split or split)),
+        ):
             if rows is not None:
                 self._check_rows(rows, source)
 
@@ -194,7 +204,9 @@ class DatasetAgent(RewardOnlyAgent):
         value, walked = row[head], head
         for name in fields:
             if not isinstance(value, dict):
-                raise ValueError(f"{walked!r} holds {_shown(value)}, not a struct; the data's columns are {list(row)}")
+                raise ValueError(
+                    f"{walked!r} holds {_shown(value)}, not a struct; the data's columns are {list(row)}"
+                )
             if name not in value:
                 raise ValueError(
                     f"the struct {walked!r} has no field {name!r}, only {list(value)}; the data's columns are {list(row)}"
@@ -295,7 +307,9 @@ class DatasetAgent(RewardOnlyAgent):
     def sample(self, response: InferenceResponse, problem: Problem) -> Sample:
         """What reward functions see of `response` to `problem`."""
         row = problem.row or {}
-        prompt = problem.prompt if isinstance(problem.prompt, str) else [m.model_dump() for m in problem.prompt]
+        prompt = (
+            problem.prompt if isinstance(problem.prompt, str) else [m.model_dump() for m in problem.prompt]
+        )
         return Sample(
             prompt=prompt,
             completion=response.text,

@@ -224,7 +224,8 @@ class RemoteAgent(Agent):
         run_blocking(self._with_context("restore the state of", restore()))
 
     def pop_metrics(self) -> dict[str, float]:
-        """``failures/remote`` and ``placeholders`` of this agent, plus the server's own counters under ``remote/``."""
+        """``failures/remote`` and ``placeholders`` of this agent, plus the server's own counters under
+        ``remote/``."""
         metrics = {key: float(count) for key, count in self._counters.items()}
         metrics |= {f"remote/{key}": float(value) for key, value in self._remote_metrics.items()}
         self._counters.clear()
@@ -277,12 +278,16 @@ class RemoteAgent(Agent):
         """`method path` with `body`, retried with backoff while the server is unreachable or failing."""
         retries = self.max_retries if attempts is None else attempts - 1
         policy = RetryPolicy(
-            self.timeout_s, retries=retries, backoff_s=self.backoff_s,
+            self.timeout_s,
+            retries=retries,
+            backoff_s=self.backoff_s,
             connect_timeout_s=min(self.timeout_s, _CONNECT_TIMEOUT_S),
-        )  # fmt: skip
+        )
         content = body.model_dump(mode="json") if body is not None else None
         try:
-            async with httpx.AsyncClient(base_url=self.url, headers=self._headers, transport=self._transport) as client:
+            async with httpx.AsyncClient(
+                base_url=self.url, headers=self._headers, transport=self._transport
+            ) as client:
                 response = await send(client, method, path, policy, json=content)
         except RequestRefused as exc:
             raise RemoteError(str(exc)) from None

@@ -353,7 +353,11 @@ class RewardOnlyAgent(Agent):
     async def _call_env(self, fn: Callable[..., Any], *args: Any) -> Any:
         async with self._reward_slots():
             with trace_span(fn.__name__, env=self.env_id):
-                if self.main_thread_rewards and fn == self.reward and threading.current_thread() is threading.main_thread():
+                if (
+                    self.main_thread_rewards
+                    and fn == self.reward
+                    and threading.current_thread() is threading.main_thread()
+                ):
                     return fn(*args)
                 call = fn(*args) if inspect.iscoroutinefunction(fn) else in_worker_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)

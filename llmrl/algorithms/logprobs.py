@@ -68,7 +68,9 @@ class SamplingParams:
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingParams:
         """`fn` applied to every tensor (indexing, slicing, moving to a device)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return SamplingParams(**{name: None if value is None else fn(value) for name, value in values.items()})
+        return SamplingParams(
+            **{name: None if value is None else fn(value) for name, value in values.items()}
+        )
 
 
 def kept_tokens(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -205,7 +207,9 @@ def token_logprobs(
             hidden[rows, batch.context_positions[rows, columns]].to(lm_head.weight.dtype),  # (N, H)
             lm_head.weight,
             batch.input_ids[rows, columns],  # (N,)
-            temperature if isinstance(temperature, int | float) else temperature.map(lambda t: t[rows, columns]),
+            temperature
+            if isinstance(temperature, int | float)
+            else temperature.map(lambda t: t[rows, columns]),
             lm_head_bias=lm_head.bias,
             transform=logit_transform(model.config),
             with_entropy=with_entropy,
@@ -234,8 +238,11 @@ def _chunked(
 
     ``chunk_size=None`` picks ``CHUNK_ELEMENTS // vocab`` tokens per chunk.
     """
-    lowest = temperature if isinstance(temperature, int | float) else (
-        temperature.temperature.min().item() if temperature.temperature.numel() else 1.0)
+    lowest = (
+        temperature
+        if isinstance(temperature, int | float)
+        else (temperature.temperature.min().item() if temperature.temperature.numel() else 1.0)
+    )
     if not lowest > 0:
         raise ValueError(f"temperature must be > 0 for logprobs, got {lowest}")
     if chunk_size is None:
@@ -244,8 +251,11 @@ def _chunked(
         raise ValueError(f"chunk_size must be >= 1 (or None), got {chunk_size}")
 
     def stats(x: torch.Tensor, y: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
-        params = temperature if isinstance(temperature, int | float) else temperature.map(
-            lambda t: t[start : start + chunk_size])
+        params = (
+            temperature
+            if isinstance(temperature, int | float)
+            else temperature.map(lambda t: t[start : start + chunk_size])
+        )
         return _chunk_stats(to_logits(x), y, params, with_entropy)
 
     pieces = []
@@ -337,8 +347,9 @@ def logit_transform(config: object) -> Callable[[torch.Tensor], torch.Tensor] | 
     return transform
 
 
-def _lm_head(weight: torch.Tensor, bias: torch.Tensor | None, transform: Callable[[torch.Tensor], torch.Tensor] | None
-             ) -> Callable[[torch.Tensor], torch.Tensor]:
+def _lm_head(
+    weight: torch.Tensor, bias: torch.Tensor | None, transform: Callable[[torch.Tensor], torch.Tensor] | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     if transform is None:
         return lambda x: F.linear(x, weight, bias)
     return lambda x: transform(F.linear(x, weight, bias).float())

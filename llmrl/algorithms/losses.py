@@ -35,7 +35,8 @@ the loss to *minimise* is::
   the rollouts come from weights up to that many updates older than ``pi_old``, so the ratio
   alone does not correct for them (the trainer turns ``is_mode`` on by default then). With the
   engine's logprobs ``log q``, ``is_mode="truncate"`` multiplies ``pg_t`` by the truncated
-  importance weight ``w_t = min(exp(log pi_old - log q), is_cap)`` (TIS; Yao et al. 2025, "Your Efficient RL Framework
+  importance weight ``w_t = min(exp(log pi_old - log q), is_cap)`` (TIS; Yao et al. 2025, "Your Efficient RL
+  Framework
   Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; Ionides 2008
   "Truncated importance sampling"). ``is_mode="mask"`` drops whole sequences whose geometric-mean
   weight ``exp(mean_t (log pi_old - log q))`` is outside ``[1 / is_cap, is_cap]`` (masked IS).
@@ -117,7 +118,9 @@ class LossOptions:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.aggregation == "seq_mean_token_sum_norm" and (self.max_length is None or self.max_length < 1):
-            raise ValueError("max_length (a positive int) is required for aggregation='seq_mean_token_sum_norm'")
+            raise ValueError(
+                "max_length (a positive int) is required for aggregation='seq_mean_token_sum_norm'"
+            )
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -224,7 +227,9 @@ def policy_loss(
             metrics["is_truncated_frac"] = _token_mean((is_weight > options.is_cap).to(m.dtype), m)
         elif options.is_mode == "mask":
             seq_log_weight = _segment_mean(is_log_weight, segment, tokens_per_sequence)  # (S,)
-            outside = seq_log_weight.abs() > math.log(options.is_cap)  # (S,) weight outside [1/is_cap, is_cap]
+            outside = seq_log_weight.abs() > math.log(
+                options.is_cap
+            )  # (S,) weight outside [1/is_cap, is_cap]
             keep = m * (~outside[segment]).to(m.dtype)
             has_tokens = tokens_per_sequence > 0
             metrics["is_masked_seq_frac"] = float(
@@ -246,17 +251,25 @@ def policy_loss(
     weight = keep * _aggregation_weight(segment, tokens_per_sequence, options.aggregation)  # (B, T)
     if normalizer is None:
         # An empty mask has a zero numerator; dividing by 1 keeps the loss 0 and differentiable.
-        normalizer = max(_denominator(m.sum(), tokens_per_sequence, options.aggregation, options.max_length), 1.0)
+        normalizer = max(
+            _denominator(m.sum(), tokens_per_sequence, options.aggregation, options.max_length), 1.0
+        )
     loss = (per_token * weight).sum() / normalizer
 
     with torch.no_grad():
         metrics["loss"] = loss.detach().item()
         metrics["pg_loss"] = float((pg * weight).sum() / normalizer)
         metrics["ratio_mean"] = _token_mean(ratio, m)
-        metrics["clip_frac_low"] = _token_mean(((advantages < 0) & (ratio < 1.0 - options.clip_low)).to(m.dtype), m)
-        metrics["clip_frac_high"] = _token_mean(((advantages > 0) & (ratio > 1.0 + options.clip_high)).to(m.dtype), m)
+        metrics["clip_frac_low"] = _token_mean(
+            ((advantages < 0) & (ratio < 1.0 - options.clip_low)).to(m.dtype), m
+        )
+        metrics["clip_frac_high"] = _token_mean(
+            ((advantages > 0) & (ratio > 1.0 + options.clip_high)).to(m.dtype), m
+        )
         if options.dual_clip is not None:
-            metrics["dual_clip_frac"] = _token_mean(((advantages < 0) & (ratio > options.dual_clip)).to(m.dtype), m)
+            metrics["dual_clip_frac"] = _token_mean(
+                ((advantages < 0) & (ratio > options.dual_clip)).to(m.dtype), m
+            )
         metrics["approx_kl"] = _token_mean(_k3(token_log_ratio), m)  # KL(pi_old || pi), sampled from pi_old
         metrics["num_tokens"] = float(m.sum())
         metrics["num_sequences"] = float((tokens_per_sequence > 0).sum())

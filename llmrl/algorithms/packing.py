@@ -283,8 +283,15 @@ def build_batch(
                 first = unit.members[0]
                 prefix = layout.place(sequences[first], loss_masks[first], first, 0, unit.length)
                 for i in unit.members:
-                    own = layout.place(sequences[i], loss_masks[i], i, unit.length, lengths[i],
-                                       predicted_from=prefix[1] - 1, prefix_block=prefix_block)  # fmt: skip
+                    own = layout.place(
+                        sequences[i],
+                        loss_masks[i],
+                        i,
+                        unit.length,
+                        lengths[i],
+                        predicted_from=prefix[1] - 1,
+                        prefix_block=prefix_block,
+                    )
                     spans[i] = ((r, *prefix), (r, *own))
             else:
                 spans[unit] = ((r, *layout.place(sequences[unit], loss_masks[unit], unit, 0, lengths[unit])),)
@@ -327,9 +334,16 @@ class _RowLayout:
         self.next_block = first_block
 
     def place(
-        self, sequence: Sequence[int], mask: Sequence[bool], owner: int, first: int, last: int,
-        *, predicted_from: int | None = None, prefix_block: int = -1,
-    ) -> tuple[int, int]:  # fmt: skip
+        self,
+        sequence: Sequence[int],
+        mask: Sequence[bool],
+        owner: int,
+        first: int,
+        last: int,
+        *,
+        predicted_from: int | None = None,
+        prefix_block: int = -1,
+    ) -> tuple[int, int]:
         """Append tokens ``first..last-1`` of `sequence` as a new block; returns their columns.
 
         The block's first token is predicted from column `predicted_from` (default: the one before).

@@ -30,7 +30,9 @@ _ENUMERATE_UP_TO = 50_000
 class ArithmeticAgent(RewardOnlyAgent):
     """The demo task as an agent: trains on the `train` split, evaluates on the held-out `test` split."""
 
-    def __init__(self, *, digits: int = 2, ops: Sequence[str] = ("+",), num_problems: int = 4096, **kwargs: Any):
+    def __init__(
+        self, *, digits: int = 2, ops: Sequence[str] = ("+",), num_problems: int = 4096, **kwargs: Any
+    ):
         """
         Args:
             digits / ops: problem size and operations (see `iter_problems`).

@@ -139,9 +139,12 @@ class CodeAgent(DatasetAgent):
     def reward(self, response: InferenceResponse, problem: Problem) -> float:
         tests = problem.answer["tests"]
         run = run_tests(
-            extract_code(response.text), tests, problem.answer["setup"],
-            timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-        )  # fmt: skip
+            extract_code(response.text),
+            tests,
+            problem.answer["setup"],
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+        )
         if self.reward_mode == "all":
             return float(all(run.passed))
         return sum(run.passed) / len(tests)

@@ -250,8 +250,11 @@ class Solver:
         return self._result(answer), answer.get("error")
 
     def ask(self, request):
-        request = {**request, "args": encode(request.get("args", []), self.handle_of),
-                   "kwargs": encode(request.get("kwargs", {}), self.handle_of)}  # fmt: skip
+        request = {
+            **request,
+            "args": encode(request.get("args", []), self.handle_of),
+            "kwargs": encode(request.get("kwargs", {}), self.handle_of),
+        }
         try:
             _send(self.requests, request)
         except OSError:

@@ -38,8 +38,9 @@ class Decoder(Protocol):
     cache_bytes: int
     """Bytes of KV cache currently allocated."""
 
-    def prefill(self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
-                ) -> torch.Tensor:
+    def prefill(
+        self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
+    ) -> torch.Tensor:
         """Append `copies[i]` rows for prompt i (in order); return each prompt's next-token logits (N, V).
 
         `max_new_tokens[i]`: the most tokens prompt i's rows will generate (None: unknown), so the
@@ -59,11 +60,14 @@ class Decoder(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Serve the tensors of `state` (the model's state-dict names, checked; a subset changes only those)."""
+        """Serve the tensors of `state` (the model's state-dict names, checked; a subset changes only
+        those)."""
         ...
 
 
-def build_decoder(model: torch.nn.Module, *, max_rows: int | None = None, owns_model: bool = False) -> Decoder:
+def build_decoder(
+    model: torch.nn.Module, *, max_rows: int | None = None, owns_model: bool = False
+) -> Decoder:
     """`LlamaFamilyDecoder` where the architecture allows it (`max_rows`: how far its row capacity
     doubles; `owns_model`: it may release the model's tensors it keeps fused), else the generic
     `HFDecoder`."""
@@ -89,7 +93,9 @@ class HFDecoder:
         self.groups: list[_Group] = []
         # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40); remote-code
         # models may keep the old one.
-        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_argument = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
 
     @property
     def num_rows(self) -> int:
@@ -113,8 +119,9 @@ class HFDecoder:
     def reset(self) -> None:
         self.groups = []
 
-    def prefill(self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
-                ) -> torch.Tensor:
+    def prefill(
+        self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
+    ) -> torch.Tensor:
         del max_new_tokens  # transformers' caches grow by themselves
         logits = []
         for prompt, count in zip(prompts, copies, strict=True):

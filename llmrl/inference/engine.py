@@ -149,7 +149,9 @@ class LocalEngine:
         # Built before the decoder releases any of the model's tensors: updates are checked against them all.
         self._weights = InProcessTransport(model, self._apply_update)
         self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, owns_model=owns_model)
-        self._eos_ids = frozenset(_default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self._eos_ids = frozenset(
+            _default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids
+        )
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
         self._seeds = random.Random(seed)
         self._version = policy_version
@@ -163,7 +165,9 @@ class LocalEngine:
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
         self._draws: list[Callable[[], float]] = []  # each row's uniform draw, rebuilt with `_rows`
         self._adjusted: list[int] = []  # rows with penalties or min_tokens, rebuilt with `_rows`
-        self._last_tokens = torch.empty(0, dtype=torch.int64)  # (rows,) each row's latest token, fed next step
+        self._last_tokens = torch.empty(
+            0, dtype=torch.int64
+        )  # (rows,) each row's latest token, fed next step
         self._cancellations = False  # set when a request's future is cancelled, from any thread
         self._admission_waited = 0  # steps admissible requests have waited (`_defer_admission`)
 
@@ -180,11 +184,21 @@ class LocalEngine:
 
         del run_dir
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        served, tokenizer = load_model(model.spec, dtype=model.dtype, device=device,
-                                       attn_implementation=model.attn_implementation,
-                                       trust_remote_code=model.trust_remote_code)
-        return cls(served, tokenizer, max_batch_tokens=config.max_batch_tokens,
-                   max_concurrent=config.max_concurrent, seed=seed, owns_model=True)
+        served, tokenizer = load_model(
+            model.spec,
+            dtype=model.dtype,
+            device=device,
+            attn_implementation=model.attn_implementation,
+            trust_remote_code=model.trust_remote_code,
+        )
+        return cls(
+            served,
+            tokenizer,
+            max_batch_tokens=config.max_batch_tokens,
+            max_concurrent=config.max_concurrent,
+            seed=seed,
+            owns_model=True,
+        )
 
     @property
     def policy_version(self) -> int:
@@ -262,8 +276,9 @@ class LocalEngine:
         elif not isinstance(request, InferenceRequest):
             raise ValueError(f"request must be an InferenceRequest or a dict, got {type(request).__name__}")
         args = request.generation_args
-        prompt_ids = prompt_token_ids(self.tokenizer, request, context=self._decoder.max_positions,
-                                      vocab_size=self._decoder.vocab_size)
+        prompt_ids = prompt_token_ids(
+            self.tokenizer, request, context=self._decoder.max_positions, vocab_size=self._decoder.vocab_size
+        )
         with self._lock:  # random.Random is not safe to share between threads
             seed = args.seed if args.seed is not None else self._seeds.getrandbits(63)
         future = Future()
@@ -365,7 +380,9 @@ class LocalEngine:
                     continue
                 rows += request.n
                 tokens += len(request.prompt_ids) + request.n
-                if (self._running or admitted) and (rows > self.max_concurrent or tokens > self.max_batch_tokens):
+                if (self._running or admitted) and (
+                    rows > self.max_concurrent or tokens > self.max_batch_tokens
+                ):
                     break
                 admitted.append(self._waiting.popleft())
             if admitted and self._defer_admission(admitted):
@@ -387,8 +404,12 @@ class LocalEngine:
         """
         queue_fits = not self._waiting
         rows = sum(r.n for r in admissible)
-        if not self._running or queue_fits or rows >= self.ADMIT_AT_LEAST * self.max_concurrent \
-                or self._admission_waited >= self.ADMISSION_WAIT:
+        if (
+            not self._running
+            or queue_fits
+            or rows >= self.ADMIT_AT_LEAST * self.max_concurrent
+            or self._admission_waited >= self.ADMISSION_WAIT
+        ):
             self._admission_waited = 0
             return False
         self._admission_waited += 1
@@ -418,8 +439,11 @@ class LocalEngine:
             self.stats.decode_tokens += len(self._running)
             logits.append(self._decoder.decode(self._last_tokens))
         if admitted:
-            prompt_logits = self._decoder.prefill([r.prompt_ids for r in admitted], [r.n for r in admitted],
-                                                  [r.args.max_tokens for r in admitted])
+            prompt_logits = self._decoder.prefill(
+                [r.prompt_ids for r in admitted],
+                [r.n for r in admitted],
+                [r.args.max_tokens for r in admitted],
+            )
             if any(r.n > 1 for r in admitted):
                 counts = torch.tensor([r.n for r in admitted], device=self._device)
                 prompt_logits = prompt_logits.repeat_interleave(counts, dim=0)
@@ -430,20 +454,26 @@ class LocalEngine:
             self._rows = None
         self.stats.steps += 1
         if self._rows is None:
-            self._rows = row_sampling([seq.request.args for seq in self._running], self._decoder.vocab_size,
-                                      self._device)
+            self._rows = row_sampling(
+                [seq.request.args for seq in self._running], self._decoder.vocab_size, self._device
+            )
             self._draws = [_no_draw if seq.rng is None else seq.rng.random for seq in self._running]
-            self._adjusted = [row for row, seq in enumerate(self._running) if adjusts_logits(seq.request.args)]
+            self._adjusted = [
+                row for row, seq in enumerate(self._running) if adjusts_logits(seq.request.args)
+            ]
         # A double just below 1 rounds to 1.0 in float32: clamped after the conversion.
-        uniforms = list_tensor([draw() for draw in self._draws], torch.float32, self._device).clamp_(max=MAX_UNIFORM)
+        uniforms = list_tensor([draw() for draw in self._draws], torch.float32, self._device).clamp_(
+            max=MAX_UNIFORM
+        )
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
         if self._adjusted:
             logits = penalized(logits, self._running, self._adjusted)
         tokens, logprobs = sample_tokens(logits, self._rows, uniforms)
         self._last_tokens = tokens
         finished = []
-        for row, (seq, token, logprob) in enumerate(zip(self._running, tokens.tolist(), logprobs.tolist(),
-                                                         strict=True)):
+        for row, (seq, token, logprob) in enumerate(
+            zip(self._running, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             if seq.seen is not None:

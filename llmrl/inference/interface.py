@@ -67,7 +67,9 @@ class InferenceInterface(Protocol):
     """
 
     @classmethod
-    def from_config(cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None) -> Self:
+    def from_config(
+        cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None
+    ) -> Self:
         """The interface `config` describes, serving `model` (`seed`: of requests that carry none;
         `run_dir`: the run folder for logs and files, None outside a run)."""
         ...

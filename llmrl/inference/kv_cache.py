@@ -39,7 +39,9 @@ def list_tensor(values: list, dtype: torch.dtype, device: torch.device | str = "
 
 def max_positions(config) -> int:
     """The most positions (prompt and completion) a model's config allows."""
-    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
+    return int(
+        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+    )
 
 
 class RowIndex(NamedTuple):
@@ -69,8 +71,17 @@ class KVCache:
     ~5% of its run). On CUDA, torch's caching allocator already reuses the memory, and training
     may need it while the engine idles."""
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_positions: int,
-                 device: torch.device, dtype: torch.dtype, max_rows: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_rows: int | None = None,
+    ):
         """`max_rows` caps how far row capacity doubles (rows beyond it are still served)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_positions = max_positions
@@ -105,11 +116,14 @@ class KVCache:
         tensors = (self.shared_k, self.shared_v, self.row_k, self.row_v)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def add_groups(self, prompt_lengths: list[int], copies: list[int], shared: list[bool], reach: list[int]) -> None:
+    def add_groups(
+        self, prompt_lengths: list[int], copies: list[int], shared: list[bool], reach: list[int]
+    ) -> None:
         """Record new groups (one per prompt, `copies[i]` rows each, the prompt in the shared cache
         where `shared[i]`, else in each row's own) and each new row's `reach`."""
-        for group, (length, count, share) in enumerate(zip(prompt_lengths, copies, shared, strict=True),
-                                                      start=self.num_groups):
+        for group, (length, count, share) in enumerate(
+            zip(prompt_lengths, copies, shared, strict=True), start=self.num_groups
+        ):
             self.shared_lengths.append(length if share else 0)
             self.group_rows.append(count)
             self.row_group.extend([group] * count)
@@ -136,10 +150,14 @@ class KVCache:
         shared = [self.shared_lengths[g] for g in self.row_group]
         # One tensor holds them all: building a tensor costs more than a few views of one.
         rows = self.num_rows
-        values = list_tensor([*self.row_group, *slots, *self.cached, *shared, *grid], torch.int64, self.device)
+        values = list_tensor(
+            [*self.row_group, *slots, *self.cached, *shared, *grid], torch.int64, self.device
+        )
         self.index = RowIndex(*values[: 4 * rows].view(4, rows), values[4 * rows :].view(height, width))
 
-    def reserve(self, which: Literal["shared", "row"], entries: int, length: int, reach: int | None = None) -> None:
+    def reserve(
+        self, which: Literal["shared", "row"], entries: int, length: int, reach: int | None = None
+    ) -> None:
         """Grow the shared or row cache to hold `entries` x `length` positions (copying what is used).
 
         A length that grows at least doubles, up to `reach` (the most any row will need)."""
@@ -183,8 +201,9 @@ class KVCache:
         self.reach = [self.reach[r] for r in order]
         dead = [g for g, live in enumerate(self.group_rows) if live == 0]
         if dead:
-            group_order = _swap_remove(self.num_groups, dead, (self.shared_k, self.shared_v),
-                                       max(self.shared_lengths))
+            group_order = _swap_remove(
+                self.num_groups, dead, (self.shared_k, self.shared_v), max(self.shared_lengths)
+            )
             new_index = {old: new for new, old in enumerate(group_order)}
             self.shared_lengths = [self.shared_lengths[g] for g in group_order]
             self.group_rows = [self.group_rows[g] for g in group_order]
@@ -193,7 +212,9 @@ class KVCache:
         return order
 
 
-def _swap_remove(count: int, removed: list[int], caches: tuple[torch.Tensor | None, ...], used: int) -> list[int]:
+def _swap_remove(
+    count: int, removed: list[int], caches: tuple[torch.Tensor | None, ...], used: int
+) -> list[int]:
     """Remove entries from dim 1 of `caches` by moving the last live entries into the holes.
 
     Returns the old index of each remaining entry in its new position. Copies only the moved

@@ -42,7 +42,8 @@ frequencies do not depend on the sequence."""
 
 
 class LlamaFamilyDecoder:
-    """Batched decoding for Llama-architecture models, group prompts shared when it pays (module docstring)."""
+    """Batched decoding for Llama-architecture models, group prompts shared when it pays (module
+    docstring)."""
 
     SHARE_FROM = 768
     """A group keeps one copy of its prompt once sharing saves this many cached prompt tokens,
@@ -64,12 +65,18 @@ class LlamaFamilyDecoder:
         if rope_type not in STATIC_ROPE:
             return False  # e.g. frequencies that change with the sequence length; the table here is fixed
         inner = getattr(model, "model", None)
-        return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(
-            model, "lm_head"
-        )
+        return all(
+            hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+        ) and hasattr(model, "lm_head")
 
-    def __init__(self, model: torch.nn.Module, *, max_rows: int | None = None, share_from: int = SHARE_FROM,
-                 owns_model: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_rows: int | None = None,
+        share_from: int = SHARE_FROM,
+        owns_model: bool = False,
+    ):
         """`max_rows` caps how far row capacity doubles (rows beyond it are still served);
         `share_from` overrides `SHARE_FROM`. With `owns_model`, the model's q/k/v and gate/up
         weights and biases are released once read into the fused tensors (`release_fused_originals`)."""
@@ -84,13 +91,28 @@ class LlamaFamilyDecoder:
         first = next(model.parameters())
         self.device = first.device
         self.vocab_size = model.lm_head.out_features
-        self.forward = LlamaForward(self.num_heads, self.num_kv_heads, self.head_dim,
-                                    eps=model.model.norm.variance_epsilon, act_fn=model.model.layers[0].mlp.act_fn)
-        self.cache = KVCache(num_layers=config.num_hidden_layers, num_kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim, max_positions=self.max_positions, device=first.device,
-                             dtype=first.dtype, max_rows=max_rows)
-        self._positions = torch.empty(0, device=self.device, dtype=torch.int64)  # 0, 1, ...: spans are its slices
-        self._rotation = torch.empty(0, self.head_dim // 2, device=self.device, dtype=torch.complex64)  # by position
+        self.forward = LlamaForward(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            eps=model.model.norm.variance_epsilon,
+            act_fn=model.model.layers[0].mlp.act_fn,
+        )
+        self.cache = KVCache(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_positions=self.max_positions,
+            device=first.device,
+            dtype=first.dtype,
+            max_rows=max_rows,
+        )
+        self._positions = torch.empty(
+            0, device=self.device, dtype=torch.int64
+        )  # 0, 1, ...: spans are its slices
+        self._rotation = torch.empty(
+            0, self.head_dim // 2, device=self.device, dtype=torch.complex64
+        )  # by position
         self.fused: dict[str, FusedRows] = fused_rows(model, self.num_heads, self.num_kv_heads, self.head_dim)
         self.weights = read_weights(model, self.fused)
         self.released: frozenset[str] = frozenset()
@@ -104,7 +126,9 @@ class LlamaFamilyDecoder:
         own parameters while it holds them), every other tensor into the model, whose tensors the
         forward reads as they are."""
         with torch.no_grad():
-            self.model.load_state_dict({k: v for k, v in state.items() if k not in self.released}, strict=False)
+            self.model.load_state_dict(
+                {k: v for k, v in state.items() if k not in self.released}, strict=False
+            )
             for name, value in state.items():
                 rows = self.fused.get(name)
                 if rows is not None:
@@ -129,41 +153,67 @@ class LlamaFamilyDecoder:
         self.cache.reserve(which, entries, length, reach)
         positions = max(self.cache.shared_lengths, default=0) + length
         if positions > self._rotation.shape[0]:
-            table = min(max(positions, 2 * self._rotation.shape[0], KVCache.CAPACITY_STEP), self.max_positions)
+            table = min(
+                max(positions, 2 * self._rotation.shape[0], KVCache.CAPACITY_STEP), self.max_positions
+            )
             self._positions = torch.arange(table, device=self.device)
             self._rotation = rotation_table(self.model, table, self.head_dim, self.device)  # (table, D/2)
 
-    def prefill(self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
-                ) -> torch.Tensor:
+    def prefill(
+        self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
+    ) -> torch.Tensor:
         cache = self.cache
         num_prompts, width = len(prompts), max(len(p) for p in prompts)
         first_group, first_row = cache.num_groups, cache.num_rows
         share = [n > 1 and len(p) * (n - 1) >= self.share_from for p, n in zip(prompts, copies, strict=True)]
         # Where each prompt's keys/values go: the shared cache (one entry per group) or the rows.
         shared_src = [i for i, s in enumerate(share) if s]
-        inline_src = [i for i, (s, n) in enumerate(zip(share, copies, strict=True)) if not s for _ in range(n)]
-        inline_rows = [first_row + r for r, i in enumerate(i for i, n in enumerate(copies) for _ in range(n))
-                       if not share[i]]
+        inline_src = [
+            i for i, (s, n) in enumerate(zip(share, copies, strict=True)) if not s for _ in range(n)
+        ]
+        inline_rows = [
+            first_row + r
+            for r, i in enumerate(i for i, n in enumerate(copies) for _ in range(n))
+            if not share[i]
+        ]
         shared_width = max((len(prompts[i]) for i in shared_src), default=0)
         inline_width = max((len(prompts[i]) for i in inline_src), default=0)
         if shared_src or cache.shared_k is not None:  # once it exists, every group has a slot in it
             self._reserve("shared", first_group + num_prompts, shared_width)  # the grid's height
         # Row caches too: a sample can finish on its first token and leave before any decode step.
-        reach = [self.max_positions if new_tokens is None else (0 if shared else len(prompt)) + new_tokens
-                 for prompt, count, shared, new_tokens in zip(prompts, copies, share,
-                                                              max_new_tokens or [None] * num_prompts, strict=True)
-                 for _ in range(count)]
-        self._reserve("row", first_row + sum(copies), max([*cache.cached, inline_width]) + 1,
-                      max([*cache.reach, *reach]))
+        reach = [
+            self.max_positions if new_tokens is None else (0 if shared else len(prompt)) + new_tokens
+            for prompt, count, shared, new_tokens in zip(
+                prompts, copies, share, max_new_tokens or [None] * num_prompts, strict=True
+            )
+            for _ in range(count)
+        ]
+        self._reserve(
+            "row",
+            first_row + sum(copies),
+            max([*cache.cached, inline_width]) + 1,
+            max([*cache.reach, *reach]),
+        )
         padded = [token for p in prompts for token in (*p, *[0] * (width - len(p)))]
         values = list_tensor([*padded, *(len(p) for p in prompts)], torch.int64, self.device)
-        ids, lengths = values[: num_prompts * width].view(num_prompts, width), values[num_prompts * width :]  # right-padded
+        ids, lengths = (
+            values[: num_prompts * width].view(num_prompts, width),
+            values[num_prompts * width :],
+        )  # right-padded
         # (prompt index, cache entry, positions to write) per destination
         destinations = (
-            (torch.tensor(shared_src, device=self.device),
-             torch.tensor([first_group + i for i in shared_src], device=self.device), shared_width, "shared"),
-            (torch.tensor(inline_src, device=self.device), torch.tensor(inline_rows, device=self.device),
-             inline_width, "row"),
+            (
+                torch.tensor(shared_src, device=self.device),
+                torch.tensor([first_group + i for i in shared_src], device=self.device),
+                shared_width,
+                "shared",
+            ),
+            (
+                torch.tensor(inline_src, device=self.device),
+                torch.tensor(inline_rows, device=self.device),
+                inline_width,
+                "row",
+            ),
         )
 
         def write(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -188,10 +238,25 @@ class LlamaFamilyDecoder:
         span = max([*cache.cached, 1])
         shared = None
         if any(cache.shared_lengths):
-            shared = SharedPrompts(cache.shared_k, cache.shared_v, self._positions[: max(cache.shared_lengths)],
-                                   index.shared, index.grid, index.group, index.slot)
-        logits = self.forward.step(self.weights, tokens, index.cached, self._positions[:span], self._rotation,
-                                   cache.row_k, cache.row_v, shared)
+            shared = SharedPrompts(
+                cache.shared_k,
+                cache.shared_v,
+                self._positions[: max(cache.shared_lengths)],
+                index.shared,
+                index.grid,
+                index.group,
+                index.slot,
+            )
+        logits = self.forward.step(
+            self.weights,
+            tokens,
+            index.cached,
+            self._positions[:span],
+            self._rotation,
+            cache.row_k,
+            cache.row_v,
+            shared,
+        )
         cache.advance()
         return logits
 
@@ -204,5 +269,10 @@ def release_fused_originals(model: torch.nn.Module, fused: dict[str, FusedRows])
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
         original = getattr(module, kind)
-        setattr(module, kind, torch.nn.Parameter(torch.empty_like(original, device="meta"),
-                                                 requires_grad=original.requires_grad))
+        setattr(
+            module,
+            kind,
+            torch.nn.Parameter(
+                torch.empty_like(original, device="meta"), requires_grad=original.requires_grad
+            ),
+        )

@@ -93,23 +93,26 @@ class FusedRows(NamedTuple):
 
 
 def fused_rows(model: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> dict[str, FusedRows]:
-    """Each q/k/v/gate/up weight and bias of `model`, by state-dict name, and its rows in the fused tensors."""
+    """Each q/k/v/gate/up weight and bias of `model`, by state-dict name, and its rows in the fused
+    tensors."""
     names = {module: name for name, module in model.named_modules()}
     # Queries carry the attention scale (1/sqrt(D)), so scores need no scaling op.
     scale = head_dim**-0.5
     rows: dict[str, FusedRows] = {}
     for index, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        for fused, parts in (("qkv", ((attn.q_proj, heads, scale), (attn.k_proj, kv_heads, None),
-                                      (attn.v_proj, None, None))),
-                             ("gate_up", ((mlp.gate_proj, None, None), (mlp.up_proj, None, None)))):
+        for fused, parts in (
+            ("qkv", ((attn.q_proj, heads, scale), (attn.k_proj, kv_heads, None), (attn.v_proj, None, None))),
+            ("gate_up", ((mlp.gate_proj, None, None), (mlp.up_proj, None, None))),
+        ):
             start = 0
             for linear, interleaved_heads, part_scale in parts:
                 stop = start + linear.out_features
                 for kind in ("weight", "bias"):
                     if getattr(linear, kind) is not None:
-                        rows[f"{names[linear]}.{kind}"] = FusedRows(index, f"{fused}_{kind}", start, stop,
-                                                                    interleaved_heads, part_scale)
+                        rows[f"{names[linear]}.{kind}"] = FusedRows(
+                            index, f"{fused}_{kind}", start, stop, interleaved_heads, part_scale
+                        )
                 start = stop
     return rows
 
@@ -121,20 +124,23 @@ def read_weights(model: torch.nn.Module, fused: dict[str, FusedRows]) -> LlamaWe
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(LayerWeights(
-            input_norm=layer.input_layernorm.weight,
-            qkv_weight=_fused_weight(attn.q_proj, attn.k_proj, attn.v_proj),
-            qkv_bias=_fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-            o_weight=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias,
-            post_norm=layer.post_attention_layernorm.weight,
-            gate_up_weight=_fused_weight(mlp.gate_proj, mlp.up_proj),
-            gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
-            down_weight=mlp.down_proj.weight,
-            down_bias=mlp.down_proj.bias,
-        ))
-    weights = LlamaWeights(inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight, model.lm_head.bias,
-                           tuple(layers))
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                qkv_weight=_fused_weight(attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv_bias=_fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                o_weight=attn.o_proj.weight,
+                o_bias=attn.o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up_weight=_fused_weight(mlp.gate_proj, mlp.up_proj),
+                gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
+                down_weight=mlp.down_proj.weight,
+                down_bias=mlp.down_proj.bias,
+            )
+        )
+    weights = LlamaWeights(
+        inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight, model.lm_head.bias, tuple(layers)
+    )
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for name, rows in fused.items():
@@ -174,7 +180,9 @@ def _interleave_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
     multiply. q.k products are unchanged: both sides carry the same permutation.
     """
     dim = weight.shape[0] // heads
-    order = torch.arange(dim, device=weight.device).view(2, dim // 2).t().reshape(dim)  # 0, D/2, 1, D/2+1, ...
+    order = (
+        torch.arange(dim, device=weight.device).view(2, dim // 2).t().reshape(dim)
+    )  # 0, D/2, 1, D/2+1, ...
     return weight.reshape(heads, dim, *weight.shape[1:])[:, order].reshape(weight.shape)
 
 
@@ -192,7 +200,9 @@ def prompt_mask(lengths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where `allowed`, -inf elsewhere."""
-    return torch.zeros(allowed.shape, device=allowed.device, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, device=allowed.device, dtype=dtype).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 class LlamaForward:
@@ -214,20 +224,35 @@ class LlamaForward:
         """The attention's queries, keys and values by token, (tokens, (H + 2 Hkv) D)."""
         return F.linear(self.rms_norm(x, layer.input_norm).t(), layer.qkv_weight, layer.qkv_bias)
 
-    def attention_mlp_residual(self, x: torch.Tensor, attn: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    def attention_mlp_residual(
+        self, x: torch.Tensor, attn: torch.Tensor, layer: LayerWeights
+    ) -> torch.Tensor:
         """The layer's output stream: ``x + o(attn)``, then plus the gated MLP of its norm (gate
         and up in one matmul). `attn` is by token, (tokens, H D)."""
         x = _column_linear(attn.t(), layer.o_weight, layer.o_bias, residual=x)
-        gate, up = _column_linear(self.rms_norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias).chunk(2)
+        gate, up = _column_linear(
+            self.rms_norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias
+        ).chunk(2)
         activated = F.silu(gate) if self.silu else self.act_fn(gate)
         return _column_linear(activated * up, layer.down_weight, layer.down_bias, residual=x)
 
     def logits(self, x: torch.Tensor, weights: LlamaWeights) -> torch.Tensor:
         """Next-token logits by token, (tokens, V), of the columns of `x`."""
-        return _column_linear(self.rms_norm(x, weights.final_norm), weights.lm_head, weights.lm_head_bias).t().contiguous()
+        return (
+            _column_linear(self.rms_norm(x, weights.final_norm), weights.lm_head, weights.lm_head_bias)
+            .t()
+            .contiguous()
+        )
 
-    def prefill(self, weights: LlamaWeights, ids: torch.Tensor, lengths: torch.Tensor, rotation: torch.Tensor,
-                mask: torch.Tensor | None, write: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    def prefill(
+        self,
+        weights: LlamaWeights,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        rotation: torch.Tensor,
+        mask: torch.Tensor | None,
+        write: Callable[[int, torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
         """Forward of right-padded prompts `ids` (N, P): logits at each prompt's last position (N, V).
 
         `write(layer, keys, values)` stores each layer's (N, Hkv, P, D) keys and values; `mask`
@@ -244,14 +269,25 @@ class LlamaForward:
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[..., (heads + kv_heads) * dim :].view(num_prompts, width, kv_heads, dim).transpose(1, 2)
             write(index, k, v)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0,
-                                                  enable_gqa=heads != kv_heads)
-            x = self.attention_mlp_residual(x, attn.transpose(1, 2).reshape(num_prompts * width, heads * dim), layer)
+            attn = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=heads != kv_heads
+            )
+            x = self.attention_mlp_residual(
+                x, attn.transpose(1, 2).reshape(num_prompts * width, heads * dim), layer
+            )
         return self.logits(x[:, torch.arange(num_prompts, device=ids.device) * width + lengths - 1], weights)
 
-    def step(self, weights: LlamaWeights, tokens: torch.Tensor, cached: torch.Tensor, positions: torch.Tensor,
-             rotation_table: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor, shared: SharedPrompts | None
-             ) -> torch.Tensor:
+    def step(
+        self,
+        weights: LlamaWeights,
+        tokens: torch.Tensor,
+        cached: torch.Tensor,
+        positions: torch.Tensor,
+        rotation_table: torch.Tensor,
+        row_k: torch.Tensor,
+        row_v: torch.Tensor,
+        shared: SharedPrompts | None,
+    ) -> torch.Tensor:
         """One decode step of every row: next-token logits (B, V), and each row's new key and value
         written into the row caches `row_k`/`row_v` at its position ``cached[row]``.
 
@@ -262,7 +298,9 @@ class LlamaForward:
         """
         rows = tokens.shape[0]
         row_bias = _additive_mask(positions < cached[:, None], row_k.dtype)
-        rotation = rotation_table[cached if shared is None else shared.lengths + cached].unsqueeze(-2)  # over the heads
+        rotation = rotation_table[cached if shared is None else shared.lengths + cached].unsqueeze(
+            -2
+        )  # over the heads
         logits, keys, values = self.decode(weights, tokens, rotation, row_bias, row_k, row_v, shared)
         # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
         index = torch.arange(rows, device=tokens.device)
@@ -270,9 +308,16 @@ class LlamaForward:
         row_v[:, index, :, cached] = values
         return logits
 
-    def decode(self, weights: LlamaWeights, tokens: torch.Tensor, rotation: torch.Tensor, row_bias: torch.Tensor,
-               row_k: torch.Tensor, row_v: torch.Tensor, shared: SharedPrompts | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def decode(
+        self,
+        weights: LlamaWeights,
+        tokens: torch.Tensor,
+        rotation: torch.Tensor,
+        row_bias: torch.Tensor,
+        row_k: torch.Tensor,
+        row_v: torch.Tensor,
+        shared: SharedPrompts | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token per row: (logits (B, V), new keys and values (B, layers, kv_heads, D)).
 
         `row_bias` (B, span) masks the rows' cached positions (``row_k[:, :B, :, :span]``); the new
@@ -299,8 +344,14 @@ class LlamaForward:
             x = self.attention_mlp_residual(x, attn.reshape(rows, heads * dim), layer)
         return self.logits(x, weights), torch.stack(keys, 1), torch.stack(values, 1)
 
-    def _attention(self, q: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor,
-                   key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self,
+        q: torch.Tensor,
+        cached: tuple[torch.Tensor, torch.Tensor],
+        bias: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
         """Attention over each row's cached positions and its new token, (B, Hkv, G, D).
 
         Written out rather than ``scaled_dot_product_attention``: with one query position its CPU
@@ -313,22 +364,35 @@ class LlamaForward:
         return self._own_output(torch.softmax(scores, dim=-1), cached, value).to(dtype)
 
     @staticmethod
-    def _own_scores(q: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor,
-                    key: torch.Tensor) -> list[torch.Tensor]:
+    def _own_scores(
+        q: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor, key: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Scores of each row's cached positions (B, Hkv, G, span) and of its new token (B, Hkv, G, 1)."""
-        return [torch.matmul(q, cached[0].transpose(-1, -2)) + bias, (q * key[:, :, None]).sum(-1, keepdim=True)]
+        return [
+            torch.matmul(q, cached[0].transpose(-1, -2)) + bias,
+            (q * key[:, :, None]).sum(-1, keepdim=True),
+        ]
 
     @staticmethod
-    def _own_output(probs: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], value: torch.Tensor
-                    ) -> torch.Tensor:
+    def _own_output(
+        probs: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor], value: torch.Tensor
+    ) -> torch.Tensor:
         """Attention output over each row's cached positions and new token, whose probabilities end
         `probs` (``[..., -span - 1 :]``)."""
         span = cached[1].shape[-2]
         cached_output = torch.matmul(probs[..., -span - 1 : -1], cached[1])
         return cached_output + probs[..., -1:] * value[:, :, None]
 
-    def _cascade(self, q: torch.Tensor, index: int, shared: SharedPrompts, cached: tuple[torch.Tensor, torch.Tensor],
-                 bias: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _cascade(
+        self,
+        q: torch.Tensor,
+        index: int,
+        shared: SharedPrompts,
+        cached: tuple[torch.Tensor, torch.Tensor],
+        bias: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
         """Attention over a group's shared prompt, the row's own cache and its new token, one softmax.
 
         The queries of a group's rows sit on a (groups, width) grid, so one batched matmul per
@@ -341,18 +405,27 @@ class LlamaForward:
         rows, kv_heads, per_kv, dim = q.shape
         prompt = shared.positions.shape[0]
         prompt_bias = _additive_mask(shared.positions < shared.lengths[:, None], q.dtype)
-        prompt_keys, prompt_values = _float32(shared.keys[index, :groups, :, :prompt],
-                                              shared.values[index, :groups, :, :prompt])  # (groups, Hkv, P, D)
+        prompt_keys, prompt_values = _float32(
+            shared.keys[index, :groups, :, :prompt], shared.values[index, :groups, :, :prompt]
+        )  # (groups, Hkv, P, D)
         query_grid = q[shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, width * per_kv, dim)
-        prompt_scores = torch.matmul(query_grid, prompt_keys.transpose(-1, -2)).view(groups, kv_heads, width, per_kv,
-                                                                                  prompt)
+        prompt_scores = torch.matmul(query_grid, prompt_keys.transpose(-1, -2)).view(
+            groups, kv_heads, width, per_kv, prompt
+        )
         prompt_scores = prompt_scores[shared.row_group, :, shared.row_slot] + prompt_bias[:, None, None, :]
-        scores = torch.cat([prompt_scores, *self._own_scores(q, cached, bias, key)], dim=-1)  # (B, Hkv, G, P + span + 1)
+        scores = torch.cat(
+            [prompt_scores, *self._own_scores(q, cached, bias, key)], dim=-1
+        )  # (B, Hkv, G, P + span + 1)
         probs = torch.softmax(scores, dim=-1)
-        prob_grid = probs[..., :prompt][shared.grid_rows].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads,
-                                                                                      width * per_kv, prompt)
+        prob_grid = (
+            probs[..., :prompt][shared.grid_rows]
+            .permute(0, 2, 1, 3, 4)
+            .reshape(groups, kv_heads, width * per_kv, prompt)
+        )
         attn = torch.matmul(prob_grid, prompt_values)
-        attn = attn.view(groups, kv_heads, width, per_kv, dim)[shared.row_group, :, shared.row_slot]  # (B, Hkv, G, D)
+        attn = attn.view(groups, kv_heads, width, per_kv, dim)[
+            shared.row_group, :, shared.row_slot
+        ]  # (B, Hkv, G, D)
         return (attn + self._own_output(probs, cached, value)).to(dtype)
 
 
@@ -369,8 +442,9 @@ def _float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.float() for t in tensors]
 
 
-def _column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+def _column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """``weight @ x (+ bias) (+ residual)``: a linear layer on the columns of `x` (in_features,
     tokens), the result (out_features, tokens).
 

@@ -10,7 +10,8 @@ such a server cannot be trained from. Weight sync (`update_weights`) speaks llmr
 ``POST /v1/weights`` through `llmrl.weights.llmrl_server` (docs/serving.md).
 
 Requests go through `llmrl.http_client`: retried with exponential backoff on connection errors,
-timeouts, 408/429 and 5xx, never on other 4xx (the server's message is raised at once). At most `max_concurrent` requests are in flight
+timeouts, 408/429 and 5xx, never on other 4xx (the server's message is raised at once). At most
+`max_concurrent` requests are in flight
 per event loop; each loop gets its own HTTP client, since `generate` runs every call in a new loop.
 A request for more than `max_n` completions (the llmrl server's limit, 64) is sent in parts.
 """
@@ -129,7 +130,9 @@ class OpenAIInterface:
                 "inference.base_url: required for inference type 'openai' (e.g. http://127.0.0.1:8000/v1)"
             )
         if isinstance(config.base_url, list):
-            raise ConfigError("inference.base_url: type 'openai' takes one URL; type 'vllm' spreads over several")
+            raise ConfigError(
+                "inference.base_url: type 'openai' takes one URL; type 'vllm' spreads over several"
+            )
         return cls(
             config.base_url,
             api_key=api_key_from_env(config),
@@ -146,8 +149,12 @@ class OpenAIInterface:
 
     def health(self) -> Health:
         """The server, and since when requests have failed to reach it (no answer, or a 5xx one)."""
-        return Health(servers=(self.base_url,), unreachable_since=self._reachability.since,
-                      shared_url=self.base_url, model=self.model)  # fmt: skip
+        return Health(
+            servers=(self.base_url,),
+            unreachable_since=self._reachability.since,
+            shared_url=self.base_url,
+            model=self.model,
+        )
 
     def close(self) -> None:
         """Nothing to release: each blocking call closes the HTTP client of its own event loop."""
@@ -198,7 +205,9 @@ class OpenAIInterface:
         """
         self._weights.send(state_dict_or_path, version, reset=reset)
 
-    async def aupdate_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
+    async def aupdate_weights(
+        self, state_dict_or_path: Weights, version: int, *, reset: bool = False
+    ) -> None:
         """Async form of `update_weights`."""
         await self._weights.asend(state_dict_or_path, version, reset=reset)
 
@@ -265,7 +274,8 @@ class OpenAIInterface:
 
 
 def _split(request: InferenceRequest, max_n: int) -> list[InferenceRequest]:
-    """`request` as requests of at most `max_n` completions; the first keeps the seed, the others derive theirs."""
+    """`request` as requests of at most `max_n` completions; the first keeps the seed, the others derive
+    theirs."""
     parts = []
     for index, start in enumerate(range(0, request.n, max_n)):
         args = request.generation_args

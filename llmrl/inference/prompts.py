@@ -15,7 +15,9 @@ from typing import Any
 from llmrl.types import InferenceRequest
 
 
-def prompt_token_ids(tokenizer: Any, request: InferenceRequest, *, context: int, vocab_size: int) -> list[int]:
+def prompt_token_ids(
+    tokenizer: Any, request: InferenceRequest, *, context: int, vocab_size: int
+) -> list[int]:
     """The ids `request`'s completions follow; `ValueError` for a prompt that fills the `context`,
     `max_tokens` beyond it, or ids outside the vocabulary (prompt or stop token ids)."""
     args = request.generation_args
@@ -32,7 +34,10 @@ def prompt_token_ids(tokenizer: Any, request: InferenceRequest, *, context: int,
             f"max_tokens: {args.max_tokens} completion tokens after a {len(prompt_ids)}-token prompt exceed "
             f"the model's context of {context} tokens (at most {context - len(prompt_ids)} fit)"
         )
-    for field_name, ids in (("prompt_token_ids", request.prompt_token_ids or ()), ("stop_token_ids", args.stop_token_ids)):
+    for field_name, ids in (
+        ("prompt_token_ids", request.prompt_token_ids or ()),
+        ("stop_token_ids", args.stop_token_ids),
+    ):
         outside = sorted({t for t in ids if t >= vocab_size})
         if outside:
             raise ValueError(f"{field_name}: {outside[:5]} outside the vocabulary of {vocab_size} tokens")
@@ -50,15 +55,18 @@ def _tokenize(tokenizer: Any, request: InferenceRequest) -> list[int]:
     messages = [m.model_dump() for m in prompt]
     template_kwargs = request.generation_args.chat_template_kwargs or {}
     if prefix is None:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False, **template_kwargs)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+        )
         return list(ids)
     return list(prefix) + _follow_up_ids(tokenizer, prefix, messages, template_kwargs)
 
 
-def _follow_up_ids(tokenizer: Any, prefix: list[int], messages: list[dict[str, str]],
-                   template_kwargs: dict[str, Any]) -> list[int]:
-    """Ids of `messages` as the next turn after a conversation whose ids (ending in a model turn) are `prefix`.
+def _follow_up_ids(
+    tokenizer: Any, prefix: list[int], messages: list[dict[str, str]], template_kwargs: dict[str, Any]
+) -> list[int]:
+    """Ids of `messages` as the next turn after a conversation whose ids (ending in a model turn) are
+    `prefix`.
 
     The template renders a reference conversation with and without the new messages; the
     difference is the new turn. What the template writes after an assistant message (ChatML:
@@ -66,15 +74,18 @@ def _follow_up_ids(tokenizer: Any, prefix: list[int], messages: list[dict[str, s
     """
     reply = "\u2063llmrl-reply\u2063"  # text no real conversation contains
     reference = [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}]
+
     def render(conversation: list[dict[str, str]], **options: Any) -> str:
         return tokenizer.apply_chat_template(conversation, tokenize=False, **options, **template_kwargs)
 
     before = render(reference)
     after = render(reference + messages, add_generation_prompt=True)
     if reply not in before or not after.startswith(before):
-        raise ValueError("prompt: the tokenizer's chat template cannot render a follow-up turn after prompt_token_ids")
-    closing = before[before.rindex(reply) + len(reply):]
+        raise ValueError(
+            "prompt: the tokenizer's chat template cannot render a follow-up turn after prompt_token_ids"
+        )
+    closing = before[before.rindex(reply) + len(reply) :]
     eos = getattr(tokenizer, "eos_token", None)
     if eos and closing.startswith(eos) and prefix[-1] == tokenizer.eos_token_id:
-        closing = closing[len(eos):]
-    return list(tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"])
+        closing = closing[len(eos) :]
+    return list(tokenizer(closing + after[len(before) :], add_special_tokens=False)["input_ids"])

@@ -93,11 +93,17 @@ def row_sampling(args: Sequence[GenerationArgs], vocab_size: int, device: torch.
     min_p = [[a.min_p] for a in args]
     all_greedy, any_greedy = all(greedy), any(greedy)
     unit_temperature = all(t == [1.0] for t in temperature)
-    filtered = [k < vocab_size or p < math.inf or m != [0.0] for k, p, m in zip(top_k, top_p, min_p, strict=True)]
+    filtered = [
+        k < vocab_size or p < math.inf or m != [0.0] for k, p, m in zip(top_k, top_p, min_p, strict=True)
+    ]
     any_filter, any_min_p = any(filtered), any(m != [0.0] for m in min_p)
     return RowSampling(
-        temperature=None if unit_temperature else torch.tensor(temperature, dtype=torch.float32, device=device),
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device) if any_greedy and not all_greedy else None,
+        temperature=None
+        if unit_temperature
+        else torch.tensor(temperature, dtype=torch.float32, device=device),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device)
+        if any_greedy and not all_greedy
+        else None,
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device)[:, None] if any_filter else None,
         top_p=torch.tensor(top_p, dtype=torch.float32, device=device)[:, None] if any_filter else None,
         min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if any_min_p else None,
@@ -133,8 +139,9 @@ def sample_tokens(
     logprobs = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
     if rows.any_filter:  # the drawn token's share of what its row kept (greedy rows report T=1, unfiltered)
         renormalised = kept.gather(-1, tokens[:, None]).squeeze(-1).log() - cdf[:, -1].log()
-        logprobs = torch.where(rows.filtered & ~rows.greedy if rows.any_greedy else rows.filtered,
-                               renormalised, logprobs)
+        logprobs = torch.where(
+            rows.filtered & ~rows.greedy if rows.any_greedy else rows.filtered, renormalised, logprobs
+        )
     return tokens, logprobs
 
 
@@ -206,8 +213,9 @@ def _top_k_top_p(probs: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _threshold(ordered: torch.Tensor, total: torch.Tensor | None, rows: RowSampling
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _threshold(
+    ordered: torch.Tensor, total: torch.Tensor | None, rows: RowSampling
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Smallest kept probability (B, 1) and the number of ranks kept (B, 1), from each row's
     largest probabilities in descending order (B, R). `total` (B, 1) is each row's whole mass,
     None when `ordered` holds the whole vocabulary."""
@@ -216,8 +224,11 @@ def _threshold(ordered: torch.Tensor, total: torch.Tensor | None, rows: RowSampl
     ordered = ordered.masked_fill(~in_top_k, 0.0)
     cumulative = ordered.cumsum(dim=-1)
     # Mass top-k keeps: the prefix up to rank k, or the whole mass where top-k is off.
-    kept_mass = cumulative[:, -1:] if total is None else torch.where(rows.top_k <= ordered.shape[-1],
-                                                                      cumulative[:, -1:], total)
+    kept_mass = (
+        cumulative[:, -1:]
+        if total is None
+        else torch.where(rows.top_k <= ordered.shape[-1], cumulative[:, -1:], total)
+    )
     # Keep a token while the mass ranked above it is below top_p of what top-k kept: the smallest
     # prefix whose mass reaches top_p. The first token is always kept.
     # Rounding in the cumulative sum can put the first token's mass-above a hair over a tiny top_p:

@@ -73,7 +73,7 @@ def _stop_string_ended(seq: RunningSequence, token: int, tokenizer: Any, backend
             return False
         seq.text += chunk
         # A stop string completed by this chunk starts at most len(stop) - 1 characters before it.
-        tail = seq.text[-(len(chunk) + max(len(s) for s in stops) - 1):]
+        tail = seq.text[-(len(chunk) + max(len(s) for s in stops) - 1) :]
     else:
         seq.text = tail = tokenizer.decode(seq.tokens, skip_special_tokens=True)
     return any(s in tail for s in stops)

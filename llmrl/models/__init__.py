@@ -12,7 +12,14 @@ from llmrl.models.loading import ModelSpecError, check_supported, export_model, 
 
 _TINY_EXPORTS = ("TINY_MODELS", "TinyRecipe", "build_tiny_model", "tiny_model_path")
 
-__all__ = ["ModelSpecError", "check_supported", "export_model", "load_model", "resolve_model_spec", *_TINY_EXPORTS]
+__all__ = [
+    "ModelSpecError",
+    "check_supported",
+    "export_model",
+    "load_model",
+    "resolve_model_spec",
+    *_TINY_EXPORTS,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -25,7 +25,11 @@ from transformers import (
 from llmrl.errors import ModelSpecError, UserError
 
 TINY_SCHEME = "tiny://"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 # `name` or `owner/name` with the characters the hub allows; anything else can only be a path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -46,7 +50,9 @@ def resolve_model_spec(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelSpecError(f"model spec {spec!r} is a file; expected a folder written by save_pretrained")
+            raise ModelSpecError(
+                f"model spec {spec!r} is a file; expected a folder written by save_pretrained"
+            )
         return str(path)
     if not _is_plausible_hub_id(spec):
         raise ModelSpecError(
@@ -89,8 +95,10 @@ def check_supported(config: object, attn_implementation: str | None = None) -> N
                 f"supported with attn_implementation='sdpa', which cannot soft-cap; use attn_implementation='eager'"
             )
         if getattr(text_config, "use_bidirectional_attention", False):
-            raise ModelSpecError(f"model type {model_type!r}: bidirectional attention (use_bidirectional_attention=True) "
-                             f"is not supported: llmrl trains causal language models")
+            raise ModelSpecError(
+                f"model type {model_type!r}: bidirectional attention (use_bidirectional_attention=True) "
+                f"is not supported: llmrl trains causal language models"
+            )
 
 
 def _text_configs(config: object) -> list[object]:
@@ -147,13 +155,19 @@ def load_model(
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+                config,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
             )
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=dtype, attn_implementation=attn_implementation,
+            source,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+        )
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)

@@ -49,9 +49,11 @@ class ModelShape:
         block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
         unique = {id(p): p.numel() for p in model.parameters()}
         embeddings = {
-            id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None
+            id(p)
+            for module in (model.get_input_embeddings(), model.get_output_embeddings())
+            if module is not None
             for p in module.parameters()
-        }  # fmt: skip
+        }
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size

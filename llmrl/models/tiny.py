@@ -94,7 +94,8 @@ class TinyRecipe:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 50
-    """Linear learning-rate warm-up; the rate is constant afterwards, so a shorter run equals a prefix of a longer one."""
+    """Linear learning-rate warm-up; the rate is constant afterwards, so a shorter run equals a prefix of a
+    longer one."""
     digits: int = 2
     """Operand size of the warm-up additions."""
     eval_problems: int = 256
@@ -121,7 +122,20 @@ TINY_MODELS: dict[str, TinyRecipe] = {"arithmetic": TinyRecipe()}
 # Tokenizer
 
 
-_NAMES = ("Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Randy", "Maria", "Omar")
+_NAMES = (
+    "Natalia",
+    "Weng",
+    "Betty",
+    "Julie",
+    "James",
+    "Albert",
+    "Ken",
+    "Alexis",
+    "Tina",
+    "Randy",
+    "Maria",
+    "Omar",
+)
 _ITEMS = ("apples", "books", "clips", "marbles", "cookies", "pencils", "eggs", "shirts", "tickets", "flowers")
 _QUESTIONS = (
     "{name} earns ${n} an hour for babysitting. Yesterday she babysat for {m} hours. How much did she earn?",
@@ -254,7 +268,9 @@ def build_untrained_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast
 
 def _prompt_ids(tokenizer: PreTrainedTokenizerFast, problem: ArithmeticProblem) -> list[int]:
     messages = [m.model_dump() for m in prompt_messages(problem)]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def answer_batch(
@@ -381,7 +397,8 @@ def evaluate_accuracy(
     batch_size: int = 256,
     max_new_tokens: int = 8,
 ) -> float:
-    """Share of `problems` answered right by `generate`: sampled at temperature 1 (no top-k/top-p) or greedy."""
+    """Share of `problems` answered right by `generate`: sampled at temperature 1 (no top-k/top-p) or
+    greedy."""
     was_training = model.training
     model.eval()
     correct = 0.0
@@ -390,7 +407,9 @@ def evaluate_accuracy(
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
             batch = tokenizer.pad(
-                {"input_ids": [_prompt_ids(tokenizer, p) for p in chunk]}, padding_side="left", return_tensors="pt"
+                {"input_ids": [_prompt_ids(tokenizer, p) for p in chunk]},
+                padding_side="left",
+                return_tensors="pt",
             )
             output = model.generate(
                 **batch,
@@ -402,7 +421,9 @@ def evaluate_accuracy(
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
-            completions = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            completions = tokenizer.batch_decode(
+                output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+            )
             correct += sum(score(text, p) for text, p in zip(completions, chunk, strict=True))
     model.train(was_training)
     return correct / max(1, len(problems))
@@ -546,15 +567,28 @@ def describe_differences(shipped: Path, rebuilt: Path) -> list[str]:
     """
     names = sorted((set(_read_checksums(shipped)) | set(_read_checksums(rebuilt))) - {BUILD_INFO})
     in_both = [n for n in names if (shipped / n).is_file() and (rebuilt / n).is_file()]
-    differing = [n for n in names if n not in in_both or (shipped / n).read_bytes() != (rebuilt / n).read_bytes()]
+    differing = [
+        n for n in names if n not in in_both or (shipped / n).read_bytes() != (rebuilt / n).read_bytes()
+    ]
     if not differing:
         return []
     lines = []
     old, new = (json.loads((folder / BUILD_INFO).read_text()) for folder in (shipped, rebuilt))
-    lines += [f"recipe.{field}: {old['recipe'].get(field)} -> {value}"
-              for field, value in new["recipe"].items() if old["recipe"].get(field) != value]  # fmt: skip
-    for key in ("processor", "cpu_capability", "torch_version", "transformers_version", "tokenizers_version",
-                "warmup_steps_run", "heldout_sampled_accuracy", "heldout_greedy_accuracy"):
+    lines += [
+        f"recipe.{field}: {old['recipe'].get(field)} -> {value}"
+        for field, value in new["recipe"].items()
+        if old["recipe"].get(field) != value
+    ]
+    for key in (
+        "processor",
+        "cpu_capability",
+        "torch_version",
+        "transformers_version",
+        "tokenizers_version",
+        "warmup_steps_run",
+        "heldout_sampled_accuracy",
+        "heldout_greedy_accuracy",
+    ):
         if old.get(key) != new.get(key):
             lines.append(f"{key}: {old.get(key)} -> {new.get(key)}")
     for name in differing:
@@ -603,7 +637,9 @@ def rebuild(name: str, *, replace: bool) -> tuple[Path | None, list[str]]:
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=SHIPPED_ROOT) as staging:
         build_tiny_model(staging, recipe)
         has_shipped = (shipped / CHECKSUMS).is_file()
-        differences = describe_differences(shipped, Path(staging)) if has_shipped else ["no shipped build yet"]
+        differences = (
+            describe_differences(shipped, Path(staging)) if has_shipped else ["no shipped build yet"]
+        )
         if not replace:
             return None, differences
         move_into_place(Path(staging), shipped)  # the staging folder is gone: its cleanup has nothing to do
@@ -613,8 +649,12 @@ def rebuild(name: str, *, replace: bool) -> tuple[Path | None, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmrl.models.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("name", nargs="?", default="arithmetic", choices=sorted(TINY_MODELS))
-    parser.add_argument("--rebuild", action="store_true", help="build anew and compare with the shipped build")
-    parser.add_argument("--replace", action="store_true", help="with --rebuild: ship the new build in its place")
+    parser.add_argument(
+        "--rebuild", action="store_true", help="build anew and compare with the shipped build"
+    )
+    parser.add_argument(
+        "--replace", action="store_true", help="with --rebuild: ship the new build in its place"
+    )
     parser.add_argument("--problems", type=int, default=256, help="held-out problems to evaluate on")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out sample and of sampling")
     args = parser.parse_args(argv)
@@ -624,8 +664,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rebuild:
         print(f"building tiny://{args.name} anew (about a minute)", flush=True)
         shipped, differences = rebuild(args.name, replace=args.replace)
-        print("\n".join(["the new build differs from the shipped one:", *(f"  {line}" for line in differences)])
-              if differences else "the new build is byte for byte the shipped one")  # fmt: skip
+        print(
+            "\n".join(["the new build differs from the shipped one:", *(f"  {line}" for line in differences)])
+            if differences
+            else "the new build is byte for byte the shipped one"
+        )
         if shipped is not None:
             print(f"shipped the new build in {shipped}")
         elif differences:
@@ -639,8 +682,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampled = evaluate_accuracy(model, tokenizer, heldout, sample=True, seed=args.seed)
     greedy = evaluate_accuracy(model, tokenizer, heldout, sample=False)
     print(f"model:            tiny://{args.name} at {path} (checksums verified)")
-    print(f"built on:         {info['processor']} ({info['cpu_capability']}), torch {info['torch_version']}, "
-          f"{info['build_seconds']} s on {recipe.threads} thread(s)")  # fmt: skip
+    print(
+        f"built on:         {info['processor']} ({info['cpu_capability']}), torch {info['torch_version']}, "
+        f"{info['build_seconds']} s on {recipe.threads} thread(s)"
+    )
     print(f"parameters:       {info['params']:,}")
     print(f"held-out {recipe.digits}-digit addition, {len(heldout)} problems, seed {args.seed}:")
     print(f"  sampled (T=1):  {sampled:.1%}")

@@ -77,7 +77,9 @@ class RewardFunction:
         if callable(entry):
             entry = {"function": entry}
         if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}: expected a mapping with `function` (and `weight`, `style`, `name`), got {entry!r}")
+            raise ValueError(
+                f"{where}: expected a mapping with `function` (and `weight`, `style`, `name`), got {entry!r}"
+            )
         unknown = sorted(set(entry) - {"function", "weight", "style", "name"})
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown}; valid keys: function, weight, style, name")
@@ -93,7 +95,9 @@ class RewardFunction:
             raise ValueError(f"{where}.weight: expected a finite number, got {weight!r}")
         name = str(entry.get("name") or getattr(function, "__name__", "reward"))
         if name in _RESERVED_NAMES or "/" in name:
-            raise ValueError(f"{where}.name: {name!r} is taken by a reward metric or has a '/'; set another name")
+            raise ValueError(
+                f"{where}.name: {name!r} is taken by a reward metric or has a '/'; set another name"
+            )
         style = entry.get("style") or _style_of(function, where)
         if style not in STYLES:
             raise ValueError(f"{where}.style: expected one of {list(STYLES)}, got {style!r}")
@@ -104,10 +108,12 @@ class RewardFunction:
         if self.style != "trl":
             return
         required = [
-            p.name for p in _parameters(self.function)
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            p.name
+            for p in _parameters(self.function)
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
             and p.name not in _TRL_ARGUMENTS
-        ]  # fmt: skip
+        ]
         missing = [name for name in required if name not in columns]
         if missing:
             raise ValueError(
@@ -122,12 +128,20 @@ class RewardFunction:
 
     def _call_trl(self, sample: Sample) -> float | None:
         conversational = not isinstance(sample.prompt, str)
-        completion: Any = [{"role": "assistant", "content": sample.completion}] if conversational else sample.completion
-        arguments = {"prompts": [sample.prompt], "completions": [completion], "completion_ids": [sample.completion_ids]}
+        completion: Any = (
+            [{"role": "assistant", "content": sample.completion}] if conversational else sample.completion
+        )
+        arguments = {
+            "prompts": [sample.prompt],
+            "completions": [completion],
+            "completion_ids": [sample.completion_ids],
+        }
         arguments |= {name: [value] for name, value in sample.columns.items() if name not in arguments}
         values = self.function(**_accepted(self.function, arguments))
         if isinstance(values, str | bytes) or not hasattr(values, "__len__") or len(values) != 1:
-            raise TypeError(f"reward function {self.name} must return a list with one value per completion, got {values!r}")
+            raise TypeError(
+                f"reward function {self.name} must return a list with one value per completion, got {values!r}"
+            )
         return _number(values[0], self.name, allow_none=True)
 
     def _call_verl(self, sample: Sample) -> tuple[float, dict[str, float]]:

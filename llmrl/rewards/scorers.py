@@ -76,25 +76,40 @@ def math_boxed(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 # Text replaced, in this order, then unit words and decorations dropped.
-_REPLACED = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-             (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))  # fmt: skip
+_REPLACED = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
 _DROPPED = (
     "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits cents "
     "degrees cm gm pounds meters meals edges students childrentickets multiples \\text{s} \\text{.} "
-    "\\text{\ns} \\text{}^2 \\text{}^3 \\text{\n} \\text{} \\mathrm{th} ^\\circ ^{\\circ} \\; ,\\! {,} \" \\dots"
+    '\\text{\ns} \\text{}^2 \\text{}^3 \\text{\n} \\text{} \\mathrm{th} ^\\circ ^{\\circ} \\; ,\\! {,} " \\dots'
 ).split(" ")
 # Each pattern keeps the group in its replacement: math between dollars, and the argument of
 # \text, \textbf, \overline and \boxed.
-_UNWRAPPED = ((r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$"), (r"(\\text\{)(.*?)(\})", "\\2"),
-              (r"(\\textbf\{)(.*?)(\})", "\\2"), (r"(\\overline\{)(.*?)(\})", "\\2"),
-              (r"(\\boxed\{)(.*)(\})", "\\2"))  # fmt: skip
+_UNWRAPPED = (
+    (r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$"),
+    (r"(\\text\{)(.*?)(\})", "\\2"),
+    (r"(\\textbf\{)(.*?)(\})", "\\2"),
+    (r"(\\overline\{)(.*?)(\})", "\\2"),
+    (r"(\\boxed\{)(.*)(\})", "\\2"),
+)
 # TeX shorthand: \frac12 -> \frac{1}{2}, \sqrt2 -> \sqrt{2}.
 _SHORTHAND = ((r"(frac)([^{])(.)", "frac{\\2}{\\3}"), (r"(sqrt)([^{])", "sqrt{\\2}"))
 
 
 def normalize_dapo_answer(answer: str) -> str:
     """DAPO's (Minerva's) normal form of a final answer: what follows the last ``=``, without spaces,
-    units, ``\\text{}``-style wrappers and dollar signs; digits with thousands separators as a plain number."""
+    units, ``\\text{}``-style wrappers and dollar signs; digits with thousands separators as a plain
+    number."""
     answer = answer.split("=")[-1]
     for before, after in _REPLACED:
         answer = answer.replace(before, after)
@@ -109,7 +124,8 @@ def normalize_dapo_answer(answer: str) -> str:
 
 
 def math_dapo(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """1.0 when the completion's last ``Answer: X`` line equals the ground truth after `normalize_dapo_answer`."""
+    """1.0 when the completion's last ``Answer: X`` line equals the ground truth after
+    `normalize_dapo_answer`."""
     del data_source, extra_info
     lines = _ANSWER_LINE.findall(solution_str)
     if not lines:
@@ -130,7 +146,9 @@ def _marked_math(data_source: str, solution_str: str, ground_truth: Any, extra_i
 
 def _countdown(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     if not isinstance(ground_truth, dict) or not {"numbers", "target"} <= set(ground_truth):
-        raise ValueError(f"countdown: ground_truth must be a mapping with numbers and target, got {ground_truth!r}")
+        raise ValueError(
+            f"countdown: ground_truth must be a mapping with numbers and target, got {ground_truth!r}"
+        )
     return countdown_reward(solution_str, tuple(ground_truth["numbers"]), int(ground_truth["target"]))
 
 
@@ -162,6 +180,8 @@ def scorer_for(data_source: str) -> Scorer:
     )
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+) -> float:
     """The score of `solution_str` by the scorer of its `data_source` (see the module docstring)."""
     return scorer_for(data_source)(data_source, solution_str, ground_truth, extra_info)

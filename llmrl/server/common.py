@@ -40,9 +40,17 @@ def resolve_api_key(cli_value: str | None) -> str | None:
 
 def error_response(status: int, message: str) -> JSONResponse:
     """The error body every route uses: ``{"error": {"message": ..., "type": ...}}`` (OpenAI's shape)."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-            413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error"}.get(status, "server_error")
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        409: "conflict_error",
+        413: "request_too_large",
+        415: "invalid_request_error",
+        422: "invalid_request_error",
+    }.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
@@ -83,7 +91,9 @@ class _Guard:
             if not hmac.compare_digest(given.encode(), expected.encode()):
                 return error_response(401, "missing or wrong bearer token (Authorization: Bearer <key>)")
         length = headers.get("content-length")
-        if length is not None and (not (length.isascii() and length.isdigit()) or int(length) > self.max_body_bytes):
+        if length is not None and (
+            not (length.isascii() and length.isdigit()) or int(length) > self.max_body_bytes
+        ):
             return error_response(413, f"request body over the limit of {self.max_body_bytes} bytes")
         return None
 
@@ -234,7 +244,10 @@ def secure_app(
         return error_response(413, str(exc))
 
     app.add_middleware(
-        _Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_json_bytes=max_json_bytes or max_body_bytes
+        _Guard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        max_json_bytes=max_json_bytes or max_body_bytes,
     )
     return app
 

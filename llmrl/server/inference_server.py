@@ -4,7 +4,8 @@
 in OpenAI's shapes, so the official ``openai`` client and other tools work against it. Training
 needs more than text, so every response also carries the llmrl extensions: the whole prompt's
 ``prompt_token_ids`` and the ``policy_version`` at the top level, and per choice the completion's
-``token_ids`` and ``token_logprobs`` (of the distribution each token was sampled from, float32; see `llmrl.types`). Requests may add vLLM's sampling extensions ``top_k``, ``min_p``,
+``token_ids`` and ``token_logprobs`` (of the distribution each token was sampled from, float32; see
+`llmrl.types`). Requests may add vLLM's sampling extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and (chat)
 ``chat_template_kwargs``, and ``prompt_token_ids`` (continue after these exact ids: multi-turn
 rollouts never re-tokenise earlier turns).
@@ -58,7 +59,9 @@ WEIGHTS_PATH = "/v1/weights"
 # that changes nothing (absent, null, false, 0, empty, or the value listed here); anything else is
 # refused rather than silently ignored, since it would change what is sampled.
 _NEUTRAL_VALUES: dict[str, Any] = {"best_of": 1, "response_format": {"type": "text"}}
-_UNSUPPORTED = tuple("stream echo best_of suffix logit_bias frequency_penalty tools functions response_format".split())
+_UNSUPPORTED = tuple(
+    "stream echo best_of suffix logit_bias frequency_penalty tools functions response_format".split()
+)
 
 
 class RequestRefused(Exception):
@@ -73,9 +76,7 @@ class RequestRefused(Exception):
 class _InferenceServer:
     """The routes' state and logic; `create_inference_app` wires them to two FastAPI apps."""
 
-    def __init__(
-        self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int
-    ):
+    def __init__(self, engine: LocalEngine, model_name: str, weights_dir: Path | None, max_n: int):
         self.engine = engine
         self.model_name = model_name
         self.weights_dir = weights_dir
@@ -97,9 +98,7 @@ class _InferenceServer:
             raise RequestRefused(400, str(exc)) from None
         return JSONResponse(self._openai_response(body, responses, chat))
 
-    def _inference_request(
-        self, body: GenerationFields, prompt: str | list[ChatMessage]
-    ) -> InferenceRequest:
+    def _inference_request(self, body: GenerationFields, prompt: str | list[ChatMessage]) -> InferenceRequest:
         _refuse_unsupported(body)
         if body.n > self.max_n:
             raise RequestRefused(400, f"n: at most {self.max_n} completions per request, got {body.n}")
@@ -268,7 +267,8 @@ def _query_version(request: Request) -> int:
     raw = request.query_params.get("version", "")
     if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_POLICY_VERSION:
         raise RequestRefused(
-            422, f"query.version: an integer in 0..{MAX_POLICY_VERSION} is required with streamed weights (?version=N)"
+            422,
+            f"query.version: an integer in 0..{MAX_POLICY_VERSION} is required with streamed weights (?version=N)",
         )
     return int(raw)
 
@@ -406,7 +406,11 @@ def serve_inference(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
     engine = LocalEngine(
-        model, tokenizer, max_batch_tokens=max_batch_tokens, max_concurrent=max_concurrent, seed=seed,
+        model,
+        tokenizer,
+        max_batch_tokens=max_batch_tokens,
+        max_concurrent=max_concurrent,
+        seed=seed,
         owns_model=True,
     )
     app = create_inference_app(

@@ -100,7 +100,15 @@ RESUMABLE_CHANGES = (
     "inference.weight_sync_bucket_mb",
     "inference.vllm",
 )
-_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "trace.json", "summary.json", "curves.png", "tensorboard", BANK_FILE)
+_RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "rollouts.jsonl",
+    "trace.json",
+    "summary.json",
+    "curves.png",
+    "tensorboard",
+    BANK_FILE,
+)
 """Written fresh by a run that starts from step 0."""
 
 
@@ -124,8 +132,11 @@ def checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | N
 
 def _config_changes(old: Any, new: Any, path: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
-        return [change for key in sorted(set(old) | set(new))
-                for change in _config_changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)]
+        return [
+            change
+            for key in sorted(set(old) | set(new))
+            for change in _config_changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+        ]
     return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
@@ -157,11 +168,18 @@ def save_checkpoint(
     (master weights) are also kept as they are, for `load_master_weights`."""
     temp = start_checkpoint(run_dir, step)
     write_checkpoint_files(
-        temp, model=model, tokenizer=tokenizer, trainer_state=trainer_state, config_yaml=config_yaml,
-        model_state=model_state, dtype=dtype,
-    )  # fmt: skip
+        temp,
+        model=model,
+        tokenizer=tokenizer,
+        trainer_state=trainer_state,
+        config_yaml=config_yaml,
+        model_state=model_state,
+        dtype=dtype,
+    )
     state = model_state if model_state is not None else model.state_dict()
-    if dtype is not None and any(value.dtype != dtype for value in state.values() if value.is_floating_point()):
+    if dtype is not None and any(
+        value.dtype != dtype for value in state.values() if value.is_floating_point()
+    ):
         save_file({name: value.contiguous() for name, value in state.items()}, temp / MASTER_WEIGHTS)
     return finish_checkpoint(run_dir, step, temp, keep_last=keep_last)
 
@@ -176,7 +194,8 @@ def load_master_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
 
 
 def start_checkpoint(run_dir: str | Path, step: int) -> Path:
-    """The empty temporary folder to write the checkpoint of `step` into (leftovers of killed saves removed)."""
+    """The empty temporary folder to write the checkpoint of `step` into (leftovers of killed saves
+    removed)."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{_TEMP_PREFIX}*"):  # a save killed half-way
@@ -201,7 +220,9 @@ def write_checkpoint_files(
     are written in it and its config names it (not the dtype of the weights handed over)."""
     if dtype is not None:
         source = model_state if model_state is not None else model.state_dict()
-        model_state = {name: value.to(dtype) if value.is_floating_point() else value for name, value in source.items()}
+        model_state = {
+            name: value.to(dtype) if value.is_floating_point() else value for name, value in source.items()
+        }
     model.save_pretrained(temp / "model", safe_serialization=True, state_dict=model_state)
     if dtype is not None:
         config_path = temp / "model" / "config.json"

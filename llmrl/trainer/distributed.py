@@ -104,7 +104,10 @@ def _first_names(model: torch.nn.Module) -> dict[str, str]:
     """Each parameter's and buffer's name -> the first name under which the same tensor is registered."""
     first: dict[int, str] = {}
     names = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         names[name] = first.setdefault(id(tensor), name)
     return names
 
@@ -155,7 +158,11 @@ class Distributed:
         backward passes, while the shards (the master weights) keep their dtype and gradients are
         reduced in float32.
         """
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype else None
+        policy = (
+            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            if compute_dtype
+            else None
+        )
         options = {"mesh": self.mesh} | ({"mp_policy": policy} if policy else {})
         blocks = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
@@ -195,26 +202,41 @@ class Distributed:
         buffers = dict(loaded.named_buffers()) if loaded is not None else {}
         del loaded  # `full` and `buffers` hold what is still needed of it
         self.shard(model, compute_dtype=compute_dtype)
-        with warnings.catch_warnings():  # DCP's look-up of the default device of a meta-built model warns twice
+        with (
+            warnings.catch_warnings()
+        ):  # DCP's look-up of the default device of a meta-built model warns twice
             warnings.simplefilter("ignore", UserWarning)
-            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            set_model_state_dict(
+                model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
         del full
         for name, first in first_names.items():
             if name != first:
                 setattr(*_owner(model, name), getattr(*_owner(model, first)))
         for module_name, module in model.named_modules():
-            for name in sorted(module._non_persistent_buffers_set):  # sorted: set order differs between processes
+            for name in sorted(
+                module._non_persistent_buffers_set
+            ):  # sorted: set order differs between processes
                 buffer = module._buffers[name]
                 if buffer is None:
                     continue
                 full_name = f"{module_name}.{name}" if module_name else name
-                value = buffers[full_name].to(self.device) if self.is_main else torch.empty_like(buffer, device=self.device)
+                value = (
+                    buffers[full_name].to(self.device)
+                    if self.is_main
+                    else torch.empty_like(buffer, device=self.device)
+                )
                 dist.broadcast(value, src=0)
                 module._buffers[name] = value
         return model, tokenizer if self.is_main else meta_tokenizer
 
     def gathered_buckets(
-        self, model: torch.nn.Module, bucket_bytes: int, *, skip: Collection[str] = (), dtype: torch.dtype | None = None
+        self,
+        model: torch.nn.Module,
+        bucket_bytes: int,
+        *,
+        skip: Collection[str] = (),
+        dtype: torch.dtype | None = None,
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The unsharded weights, but the names in `skip`, in buckets of at most `bucket_bytes`
         (`weight_buckets`: a decoder layer larger than that is one bucket), on CPU on rank 0 and

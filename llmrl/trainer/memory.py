@@ -5,7 +5,8 @@ moments (all sharded over the ranks under torchrun), the compute-dtype copies th
 (autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
 cache, and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
-GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the device's memory, naming
+GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the device's
+memory, naming
 the settings that would fit (`MemoryPlan.check`).
 
 Activations are an estimate for decoder-only transformers: per token and layer, what autograd keeps
@@ -62,7 +63,11 @@ class MemoryPlan:
         shape, s = self.shape, self.settings
         master, compute = s.master_dtype.itemsize, s.compute_dtype.itemsize
         shards = shape.parameters / s.world_size
-        terms = {"parameters": shards * master, "gradients": shards * master, "optimizer": 2 * shards * master}
+        terms = {
+            "parameters": shards * master,
+            "gradients": shards * master,
+            "optimizer": 2 * shards * master,
+        }
         if s.world_size > 1:  # the root's parameters stay gathered; two blocks at a time with prefetch
             terms["gathered"] = (shape.outside_blocks + 2 * shape.largest_block) * compute
         elif compute != master:  # autocast's casts, kept for the backward pass
@@ -71,7 +76,9 @@ class MemoryPlan:
             terms["reference"] = shape.parameters / s.world_size * compute
         terms["activations"] = self._activations()
         if rank0 and s.engine_tokens is not None:
-            terms["engine"] = shape.parameters * compute + 2 * s.engine_tokens * shape.layers * shape.kv_channels * compute
+            terms["engine"] = (
+                shape.parameters * compute + 2 * s.engine_tokens * shape.layers * shape.kv_channels * compute
+            )
         if rank0 and s.world_size > 1 and self.device == "cpu":  # on a GPU they are gathered into host memory
             # a checkpoint's Hugging Face folder gathers every bucket; a weight sync holds one at a time
             terms["gathered weights"] = shape.parameters * compute
@@ -83,8 +90,10 @@ class MemoryPlan:
         shape, s = self.shape, self.settings
         compute = s.compute_dtype.itemsize
         tokens = s.micro_batch_tokens
-        per_layer = tokens * (compute * (5 * shape.hidden + 2 * shape.kv_channels + 3 * shape.intermediate)
-                              + 4 * 2 * shape.hidden)
+        per_layer = tokens * (
+            compute * (5 * shape.hidden + 2 * shape.kv_channels + 3 * shape.intermediate)
+            + 4 * 2 * shape.hidden
+        )
         if s.activation_checkpointing:
             kept = tokens * shape.layers * shape.hidden * 4 + per_layer
         else:
@@ -105,11 +114,15 @@ class MemoryPlan:
         columns = [self.terms(rank0=rank0) for _, rank0 in ranks]
         names = list(columns[0])
         width = max(len(n) for n in [*names, "total"]) + 2
-        lines = [f"memory plan per rank ({self.device}, {self.device_bytes / GB:.1f} GB; "
-                 f"{self.shape.parameters / 1e6:.1f}M parameters, {self.settings.world_size} process(es)):",
-                 " " * width + "".join(f"{label:>14}" for label, _ in ranks)]  # fmt: skip
+        lines = [
+            f"memory plan per rank ({self.device}, {self.device_bytes / GB:.1f} GB; "
+            f"{self.shape.parameters / 1e6:.1f}M parameters, {self.settings.world_size} process(es)):",
+            " " * width + "".join(f"{label:>14}" for label, _ in ranks),
+        ]
         for name in names:
-            lines.append(f"{name:<{width}}" + "".join(f"{column.get(name, 0) / GB:>11.3f} GB" for column in columns))
+            lines.append(
+                f"{name:<{width}}" + "".join(f"{column.get(name, 0) / GB:>11.3f} GB" for column in columns)
+            )
         lines.append(f"{'total':<{width}}" + "".join(f"{sum(c.values()) / GB:>11.3f} GB" for c in columns))
         return "\n".join(lines)
 
@@ -132,16 +145,24 @@ class MemoryPlan:
         while tokens >= 256 and not self._fits_with(dataclasses.replace(s, micro_batch_tokens=tokens)):
             tokens //= 2
         if tokens >= 256:
-            options.append((f"training.micro_batch_tokens: {tokens}", dataclasses.replace(s, micro_batch_tokens=tokens)))
+            options.append(
+                (f"training.micro_batch_tokens: {tokens}", dataclasses.replace(s, micro_batch_tokens=tokens))
+            )
         if s.master_dtype != s.compute_dtype:
             compute = str(s.compute_dtype).removeprefix("torch.")
-            options.append((f"training.master_dtype: {compute} (loses small updates)",
-                            dataclasses.replace(s, master_dtype=s.compute_dtype)))
+            options.append(
+                (
+                    f"training.master_dtype: {compute} (loses small updates)",
+                    dataclasses.replace(s, master_dtype=s.compute_dtype),
+                )
+            )
         if s.engine_tokens is not None:
             options.append((elsewhere, dataclasses.replace(s, engine_tokens=None)))
         processes = self._processes_that_fit(s)
         if processes is not None:
-            options.append((f"{processes} processes (torchrun)", dataclasses.replace(s, world_size=processes)))
+            options.append(
+                (f"{processes} processes (torchrun)", dataclasses.replace(s, world_size=processes))
+            )
         fitting = [label for label, settings in options if self._fits_with(settings)]
         if fitting:
             return "each of these alone would fit: " + "; ".join(fitting[:4])
@@ -150,13 +171,20 @@ class MemoryPlan:
         processes = self._processes_that_fit(combined)
         if processes is None:
             return "no combination of these settings fits up to 1024 processes: use a smaller model or larger devices"
-        changes = [label for label, needed in ((checkpointing, not s.activation_checkpointing),
-                                               (elsewhere, s.engine_tokens is not None),
-                                               (f"{processes} processes (torchrun)", processes > s.world_size)) if needed]
+        changes = [
+            label
+            for label, needed in (
+                (checkpointing, not s.activation_checkpointing),
+                (elsewhere, s.engine_tokens is not None),
+                (f"{processes} processes (torchrun)", processes > s.world_size),
+            )
+            if needed
+        ]
         return "no single change fits; together these would: " + "; ".join(changes)
 
     def _processes_that_fit(self, settings: MemorySettings) -> int | None:
-        """The fewest processes (doubling from `settings.world_size`, up to 1024) with which `settings` fit."""
+        """The fewest processes (doubling from `settings.world_size`, up to 1024) with which `settings`
+        fit."""
         processes = settings.world_size
         while processes <= 1024:
             if self._fits_with(dataclasses.replace(settings, world_size=processes)):
@@ -167,10 +195,16 @@ class MemoryPlan:
     def _fits_with(self, settings: MemorySettings) -> bool:
         return dataclasses.replace(self, settings=settings).fits()
 
+
 def plan_memory(model: torch.nn.Module, settings: MemorySettings, device: str) -> MemoryPlan:
     """The memory plan of training `model` (on the meta device or loaded) with `settings` on `device`."""
-    return MemoryPlan(ModelShape.of(model), settings, device, device_memory(device),
-                      resident_bytes() if device == "cpu" else 0)  # fmt: skip
+    return MemoryPlan(
+        ModelShape.of(model),
+        settings,
+        device,
+        device_memory(device),
+        resident_bytes() if device == "cpu" else 0,
+    )
 
 
 def device_memory(device: str) -> int:
@@ -226,4 +260,3 @@ def _reset_rss_peak() -> bool:
     except OSError:
         return False
     return True
-

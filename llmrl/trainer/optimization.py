@@ -77,9 +77,13 @@ def build_schedule(optimizer: torch.optim.Optimizer, training: TrainingConfig) -
     decay_steps = max(training.steps - warmup, 1)
     phases: list[lr_scheduler.LRScheduler] = []
     if warmup:  # 1/warmup at step 0 up to 1 at step warmup - 1 (total_iters >= 1: a 1-step warm-up is at 1)
-        phases.append(lr_scheduler.LinearLR(optimizer, start_factor=1 / warmup, total_iters=max(warmup - 1, 1)))
+        phases.append(
+            lr_scheduler.LinearLR(optimizer, start_factor=1 / warmup, total_iters=max(warmup - 1, 1))
+        )
     if training.lr_schedule == "linear":
-        phases.append(lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=decay_steps))
+        phases.append(
+            lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=decay_steps)
+        )
     elif training.lr_schedule == "cosine":
         phases.append(lr_scheduler.CosineAnnealingLR(optimizer, T_max=decay_steps))
     if not phases:
@@ -163,8 +167,10 @@ class PolicyUpdate:
     def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
         """Train on `batch`; returns the metrics (token-weighted means over the step)."""
         self._check_lengths(batch)
-        self._sampling = sampling_params([r.generation_args or self.generation_args for r in batch.rollouts],
-                                         [f"{r.env_id} problem {r.problem_id}" for r in batch.rollouts])
+        self._sampling = sampling_params(
+            [r.generation_args or self.generation_args for r in batch.rollouts],
+            [f"{r.env_id} problem {r.problem_id}" for r in batch.rollouts],
+        )
         sequences, masks = batch.sequences, batch.loss_masks
         forwarded = [
             i for i in range(len(batch)) if not (self.skip_zero_advantage and batch.advantages[i] == 0)
@@ -187,7 +193,9 @@ class PolicyUpdate:
         totals = _MetricTotals()
         for _ in range(self.training.iterations):
             for mini_batch in self._mini_batches(len(batch), generator):
-                normalizer = batch.normalizer(mini_batch, self.loss_options.aggregation, self.loss_options.max_length)
+                normalizer = batch.normalizer(
+                    mini_batch, self.loss_options.aggregation, self.loss_options.max_length
+                )
                 chosen = [i for i in mini_batch if i in is_forwarded]
                 if not chosen:
                     totals.add_skipped()
@@ -230,9 +238,15 @@ class PolicyUpdate:
     ) -> tuple[list[Unit], int]:
         """Packing units (the rollouts of one prompt may share it) and the row length, by `plan_rows`."""
         longest_row = min(self.training.pack_row_tokens, self.training.micro_batch_tokens)
-        return plan_rows(sequences, masks, indices, longest_row, token_cost=self._token_cost,
-                         pair_cost=self._pair_cost,
-                         share=self.training.share_prefixes and not self._local_attention)  # fmt: skip
+        return plan_rows(
+            sequences,
+            masks,
+            indices,
+            longest_row,
+            token_cost=self._token_cost,
+            pair_cost=self._pair_cost,
+            share=self.training.share_prefixes and not self._local_attention,
+        )
 
     def _micro_batches(
         self, sequences: list[list[int]], masks: list[list[bool]], units: list[Unit], row_limit: int
@@ -374,7 +388,9 @@ def sampling_params(args: Sequence[GenerationArgs], names: Sequence[str]) -> flo
     """
     for options, name in zip(args, names, strict=True):
         if options.temperature == 0:
-            raise ConfigError(f"{name} was decoded greedily (temperature 0): there is no distribution to train on")
+            raise ConfigError(
+                f"{name} was decoded greedily (temperature 0): there is no distribution to train on"
+            )
         refused = options.untrainable_options
         if refused:
             raise ConfigError(
@@ -383,7 +399,12 @@ def sampling_params(args: Sequence[GenerationArgs], names: Sequence[str]) -> flo
             )
     temperatures = torch.tensor([a.temperature for a in args], dtype=torch.float32)
     top_k, top_p, min_p = ([getattr(a, name) for a in args] for name in ("top_k", "top_p", "min_p"))
-    if not any(top_k) and all(p == 1.0 for p in top_p) and not any(min_p) and len(set(temperatures.tolist())) <= 1:
+    if (
+        not any(top_k)
+        and all(p == 1.0 for p in top_p)
+        and not any(min_p)
+        and len(set(temperatures.tolist())) <= 1
+    ):
         return args[0].temperature if args else 1.0
     return SamplingParams(
         temperature=temperatures,

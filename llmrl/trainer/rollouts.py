@@ -43,7 +43,11 @@ def unavailable_line(inference: InferenceInterface, detail: str, started: float)
     """The one line a run stops with: the server and since when (when the interface knows them)."""
     health = inference.health()
     if health.servers and health.unreachable_since is not None:
-        where = f"server at {health.servers[0]}" if len(health.servers) == 1 else f"servers at {', '.join(health.servers)}"
+        where = (
+            f"server at {health.servers[0]}"
+            if len(health.servers) == 1
+            else f"servers at {', '.join(health.servers)}"
+        )
         problem = f"inference {where} unreachable since {_local_time(health.unreachable_since)}"
     else:
         problem = f"inference failing since {_local_time(started)}"
@@ -112,7 +116,9 @@ def prepare_batch(
     """The step's loss rollouts and the advantage of every rollout (in group order)."""
     for group in groups:
         if len(group.rollouts) != group_size:
-            raise ValueError(f"group {group.group_id} has {len(group.rollouts)} rollouts, expected {group_size}")
+            raise ValueError(
+                f"group {group.group_id} has {len(group.rollouts)} rollouts, expected {group_size}"
+            )
     rollouts = [r for group in groups for r in group.rollouts]
     valid = torch.tensor([r.is_valid for r in rollouts], dtype=torch.bool)
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
@@ -122,10 +128,15 @@ def prepare_batch(
         penalty = soft_overlong_penalty(lengths, max_tokens, buffer, algorithm.overlong_penalty)
         rewards = rewards + torch.where(valid, penalty, 0.0)
     advantages = group_advantages(
-        rewards, group_size, algorithm.advantage_estimator, valid,
-        batch_std_normalize=algorithm.batch_std_normalize, std_scope=algorithm.advantage_std_scope,
-        ddof=algorithm.advantage_std_ddof, eps=algorithm.advantage_eps,
-    )  # fmt: skip
+        rewards,
+        group_size,
+        algorithm.advantage_estimator,
+        valid,
+        batch_std_normalize=algorithm.batch_std_normalize,
+        std_scope=algorithm.advantage_std_scope,
+        ddof=algorithm.advantage_std_ddof,
+        eps=algorithm.advantage_eps,
+    )
     in_loss = [
         i
         for i, r in enumerate(rollouts)
@@ -144,7 +155,9 @@ def rollout_metrics(
     by_env: dict[str, list[TokenRollout]] = defaultdict(list)
     for rollout in valid:
         by_env[rollout.env_id].append(rollout)
-    for prefix, members in [("reward", valid)] + [(f"reward/{env}", rs) for env, rs in sorted(by_env.items())]:
+    for prefix, members in [("reward", valid)] + [
+        (f"reward/{env}", rs) for env, rs in sorted(by_env.items())
+    ]:
         rewards = torch.tensor([r.reward for r in members], dtype=torch.float64)
         metrics[f"{prefix}/mean"] = float(rewards.mean()) if members else math.nan
         metrics[f"{prefix}/std"] = float(rewards.std(unbiased=False)) if members else math.nan
@@ -156,13 +169,13 @@ def rollout_metrics(
         for rollout in members:
             for name, value in rollout.reward_components.items():
                 components[name].append(value)
-        metrics |= {f"reward/{env}/{name}": sum(values) / len(values) for name, values in sorted(components.items())}
+        metrics |= {
+            f"reward/{env}/{name}": sum(values) / len(values) for name, values in sorted(components.items())
+        }
     lengths = torch.tensor([r.num_generated for r in valid], dtype=torch.float64)
     metrics["rollout/response_length"] = float(lengths.mean()) if valid else math.nan
     metrics["rollout/response_length_max"] = float(lengths.max()) if valid else math.nan
-    metrics["rollout/truncated_frac"] = (
-        sum(r.truncated for r in valid) / len(valid) if valid else math.nan
-    )
+    metrics["rollout/truncated_frac"] = sum(r.truncated for r in valid) / len(valid) if valid else math.nan
     metrics["rollout/placeholder_frac"] = 1.0 - len(valid) / len(rollouts) if rollouts else 0.0
     if groups:
         has_signal = advantages.view(len(groups), -1).ne(0).any(dim=1)
@@ -180,7 +193,8 @@ class RolloutPipeline:
     the weights it must use are synced, and a sync waits until every batch submitted before it is
     complete, so in-flight work always finishes on the weights it started with and no sequence mixes
     two versions. With a lag, batches are drawn one at a time, in step order, by a worker thread with
-    its own event loop while the trainer's thread trains; without one, on the trainer's thread. A seeded run therefore generates the same
+    its own event loop while the trainer's thread trains; without one, on the trainer's thread. A seeded run
+    therefore generates the same
     tokens with or without interruptions, whatever the timing.
     """
 
@@ -277,7 +291,9 @@ class RolloutPipeline:
             raise self._refused
         started = time.time()
         groups = run_in_new_loop(
-            self.agents.group_rollouts(self.inference, self.num_groups, self.group_size, self.generation_args(step))
+            self.agents.group_rollouts(
+                self.inference, self.num_groups, self.group_size, self.generation_args(step)
+            )
         )
         failure = inference_failure(groups, self.max_inference_failure_frac)
         if failure is not None:

@@ -90,11 +90,16 @@ class Trainer:
             raise
 
     def _build(self, config: RunConfig, device: str, resume: bool) -> None:
-        self.agents = build_agents(
-            config.environments, config.seed,
-            dynamic_sampling=config.algorithm.dynamic_sampling,
-            max_resample_rounds=config.algorithm.max_resample_rounds,
-        ) if self.is_main else None  # fmt: skip
+        self.agents = (
+            build_agents(
+                config.environments,
+                config.seed,
+                dynamic_sampling=config.algorithm.dynamic_sampling,
+                max_resample_rounds=config.algorithm.max_resample_rounds,
+            )
+            if self.is_main
+            else None
+        )
         if self.agents is not None:
             self.agents.check_problems()  # a missing dataset column fails here, before models load
         checkpoint = ckpt.checkpoint_to_resume(config, resume)
@@ -107,8 +112,11 @@ class Trainer:
         self.memory_plan = self._plan_memory(device)
         self.memory_plan.check()  # before any weights load
         self.peak_memory = PeakMemory(device)
-        options = {"device": device, "attn_implementation": config.model.attn_implementation,
-                   "trust_remote_code": config.model.trust_remote_code}  # fmt: skip
+        options = {
+            "device": device,
+            "attn_implementation": config.model.attn_implementation,
+            "trust_remote_code": config.model.trust_remote_code,
+        }
         distributed = self.distributed
 
         def load(spec: str, dtype: str, compute_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
@@ -118,7 +126,8 @@ class Trainer:
             return distributed.load_model(spec, dtype=dtype, compute_dtype=compute_dtype, **options)
 
         self.policy, self.tokenizer = load(
-            str(checkpoint[1] / "model") if checkpoint else config.model.spec, config.training.master_dtype,
+            str(checkpoint[1] / "model") if checkpoint else config.model.spec,
+            config.training.master_dtype,
             self.compute_dtype if config.model.dtype != config.training.master_dtype else None,
         )
         if checkpoint and self.distributed is None:
@@ -134,17 +143,25 @@ class Trainer:
         self._tied_names = tied_duplicates(self.policy)
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
-        self.generation_args = generation if generation.seed is not None else generation.merge(
-            GenerationArgs(seed=config.seed)
+        self.generation_args = (
+            generation if generation.seed is not None else generation.merge(GenerationArgs(seed=config.seed))
         )
         self.update = PolicyUpdate(
-            self.policy, self.optimizer, algorithm=config.algorithm, training=config.training,
-            generation_args=generation, max_tokens=generation.max_tokens,
-            pad_token_id=self.tokenizer.pad_token_id or 0, reference=reference, distributed=self.distributed,
+            self.policy,
+            self.optimizer,
+            algorithm=config.algorithm,
+            training=config.training,
+            generation_args=generation,
+            max_tokens=generation.max_tokens,
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+            reference=reference,
+            distributed=self.distributed,
             compute_dtype=self.compute_dtype,
-        )  # fmt: skip
+        )
         if self.is_main:
-            self.inference = build_inference(config.inference, config.model, seed=config.seed, run_dir=self.run_dir)
+            self.inference = build_inference(
+                config.inference, config.model, seed=config.seed, run_dir=self.run_dir
+            )
 
         self.pipeline: RolloutPipeline | None = None
         self.step = 0
@@ -162,14 +179,17 @@ class Trainer:
     def _plan_memory(self, device: str) -> MemoryPlan:
         config = self.config
         settings = MemorySettings(
-            master_dtype=DTYPES[config.training.master_dtype], compute_dtype=self.compute_dtype,
+            master_dtype=DTYPES[config.training.master_dtype],
+            compute_dtype=self.compute_dtype,
             world_size=1 if self.distributed is None else self.distributed.world_size,
             micro_batch_tokens=config.training.micro_batch_tokens,
             activation_checkpointing=config.training.activation_checkpointing,
             reference_model=config.algorithm.kl_beta > 0,
             engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
-        )  # fmt: skip
-        shapes, _ = load_model(config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code)
+        )
+        shapes, _ = load_model(
+            config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code
+        )
         return plan_memory(shapes, settings, device)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -186,13 +206,22 @@ class Trainer:
             self._open_outputs(stack)
             if self.step == 0 and config.evaluation.at_start and 0 not in self.evaluations:
                 self._log(0, self._evaluate(0))
-            display = stack.enter_context(ProgressDisplay(
-                steps, start_step=min(self.step, steps), mode=config.logging.progress if self.is_main else "off",
-                stream=self.progress_stream))  # fmt: skip
+            display = stack.enter_context(
+                ProgressDisplay(
+                    steps,
+                    start_step=min(self.step, steps),
+                    mode=config.logging.progress if self.is_main else "off",
+                    stream=self.progress_stream,
+                )
+            )
             display.message(self.memory_plan.render())
-            # Under torchrun every Ctrl-C reaches a worker twice (from the terminal, then forwarded by torchrun).
-            stop_requested = self._agreed(stack.enter_context(
-                _stop_after_step_on_interrupt(display, second_stops_at_once=self.distributed is None)))
+            # Under torchrun every Ctrl-C reaches a worker twice (from the terminal, then forwarded by
+            # torchrun).
+            stop_requested = self._agreed(
+                stack.enter_context(
+                    _stop_after_step_on_interrupt(display, second_stops_at_once=self.distributed is None)
+                )
+            )
             if self.is_main:
                 self.pipeline = stack.enter_context(contextlib.closing(self._pipeline()))
                 banked = self.pipeline.start(self.step)
@@ -236,13 +265,21 @@ class Trainer:
         training = self.config.training
 
         def generation_args(step: int) -> GenerationArgs:
-            return self.generation_args.merge(GenerationArgs(seed=derive_seed(self.generation_args.seed, "step", step)))
+            return self.generation_args.merge(
+                GenerationArgs(seed=derive_seed(self.generation_args.seed, "step", step))
+            )
 
         return RolloutPipeline(
-            self.agents, self.inference, num_groups=training.prompts_per_step, group_size=training.group_size,
-            generation_args=generation_args, lag=training.generation_lag, last_step=training.steps,
-            bank=RolloutBank(self.run_dir), max_inference_failure_frac=training.max_inference_failure_frac,
-        )  # fmt: skip
+            self.agents,
+            self.inference,
+            num_groups=training.prompts_per_step,
+            group_size=training.group_size,
+            generation_args=generation_args,
+            lag=training.generation_lag,
+            last_step=training.steps,
+            bank=RolloutBank(self.run_dir),
+            max_inference_failure_frac=training.max_inference_failure_frac,
+        )
 
     def _train_step(self, step: int) -> dict[str, float]:
         training, started = self.config.training, time.perf_counter()
@@ -250,14 +287,22 @@ class Trainer:
             groups = self.pipeline.get(step) if self.pipeline is not None else None
             if self.distributed is not None:
                 groups = self.distributed.broadcast_object(groups)
-        batch, advantages = prepare_batch(groups, group_size=training.group_size, algorithm=self.config.algorithm,
-                                          max_tokens=self.generation_args.max_tokens)
+        batch, advantages = prepare_batch(
+            groups,
+            group_size=training.group_size,
+            algorithm=self.config.algorithm,
+            max_tokens=self.generation_args.max_tokens,
+        )
         with self.tracer.span("train", step=step, sequences=len(batch)):  # logprobs, loss, optimizer
             learning_rate = self.scheduler.get_last_lr()[0]
-            update = self.update(batch, torch.Generator().manual_seed(derive_seed(self.config.seed, "order", step)))
+            update = self.update(
+                batch, torch.Generator().manual_seed(derive_seed(self.config.seed, "order", step))
+            )
             self.scheduler.step()
         with self.tracer.span("sync", step=step):
-            if self.pipeline is not None:  # batches generating now must finish on the weights they started with
+            if (
+                self.pipeline is not None
+            ):  # batches generating now must finish on the weights they started with
                 self.pipeline.wait_ahead()
             self._sync_weights(step)
         step_seconds = time.perf_counter() - started
@@ -269,7 +314,9 @@ class Trainer:
             return {}
         self._log_rollouts(step, groups, advantages)
         generated = sum(r.num_generated for g in groups for r in g.rollouts if r.is_valid)
-        metrics = rollout_metrics(groups, advantages, correct_threshold=self.config.evaluation.correct_threshold)
+        metrics = rollout_metrics(
+            groups, advantages, correct_threshold=self.config.evaluation.correct_threshold
+        )
         metrics |= staleness_metrics(groups, trained_version=step - 1)
         metrics |= {f"train/{key}": value for key, value in update.items()}
         metrics |= {"train/lr": learning_rate, "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0))}
@@ -286,8 +333,9 @@ class Trainer:
             weights: Any = self._untied(self.policy.state_dict())
         else:
             bucket_bytes = self.config.inference.weight_sync_bucket_mb << 20
-            weights = self.distributed.gathered_buckets(self.policy, bucket_bytes, skip=self._tied_names,
-                                                        dtype=self.compute_dtype)
+            weights = self.distributed.gathered_buckets(
+                self.policy, bucket_bytes, skip=self._tied_names, dtype=self.compute_dtype
+            )
         if self.is_main:
             started = time.time()
             try:
@@ -298,7 +346,9 @@ class Trainer:
                 detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
                 raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
         if self.distributed is not None:
-            for _ in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
+            for (
+                _
+            ) in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
                 pass
 
     def _close_inference(self) -> None:
@@ -317,18 +367,25 @@ class Trainer:
             return {}
         with self.tracer.span("evaluate", step=step):
             # The same seed at every evaluation: differences between steps come from the weights.
-            args = self.generation_args.merge(GenerationArgs(
-                seed=derive_seed(self.generation_args.seed, "evaluation")))
-            summary = run_sync(evaluate_environments(self.agents, self.inference, self.config.evaluation, args))
+            args = self.generation_args.merge(
+                GenerationArgs(seed=derive_seed(self.generation_args.seed, "evaluation"))
+            )
+            summary = run_sync(
+                evaluate_environments(self.agents, self.inference, self.config.evaluation, args)
+            )
         self.evaluations[step] = summary
-        return {f"eval/{env}/{name}": value for env, metrics in summary.items() for name, value in metrics.items()}
+        return {
+            f"eval/{env}/{name}": value for env, metrics in summary.items() for name, value in metrics.items()
+        }
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Write one step's line, with the seconds spent in each traced phase since the last line."""
         if not self.is_main:
             return
         phases = self.tracer.durations(reset=True)
-        self.metrics_logger.log(step, metrics | {f"time/{name}_s": seconds for name, seconds in phases.items()})
+        self.metrics_logger.log(
+            step, metrics | {f"time/{name}_s": seconds for name, seconds in phases.items()}
+        )
 
     def _log_rollouts(self, step: int, groups: list[Any], advantages: torch.Tensor) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
@@ -358,10 +415,16 @@ class Trainer:
         with self.tracer.span("checkpoint", step=self.step):
             if self.distributed is None:
                 ckpt.save_checkpoint(
-                    self.run_dir, self.step, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
-                    config_yaml=dump_config(self.config), keep_last=self.config.checkpoint.keep_last,
-                    model_state=self._untied(self.policy.state_dict()), dtype=self.compute_dtype,
-                )  # fmt: skip
+                    self.run_dir,
+                    self.step,
+                    model=self.policy,
+                    tokenizer=self.tokenizer,
+                    trainer_state=self._state(),
+                    config_yaml=dump_config(self.config),
+                    keep_last=self.config.checkpoint.keep_last,
+                    model_state=self._untied(self.policy.state_dict()),
+                    dtype=self.compute_dtype,
+                )
             else:
                 self._save_sharded()
         if self.is_main:
@@ -373,18 +436,32 @@ class Trainer:
         optimizer; rank 0 writes the Hugging Face folder (gathered weights), the rest, and renames."""
         distributed = self.distributed
         assert distributed is not None
-        weights: dict[str, torch.Tensor] = {}  # in the compute dtype the folder is written in: no float32 copy
-        for bucket in distributed.gathered_buckets(self.policy, self.config.inference.weight_sync_bucket_mb << 20,
-                                                   skip=self._tied_names, dtype=self.compute_dtype):
+        weights: dict[
+            str, torch.Tensor
+        ] = {}  # in the compute dtype the folder is written in: no float32 copy
+        for bucket in distributed.gathered_buckets(
+            self.policy,
+            self.config.inference.weight_sync_bucket_mb << 20,
+            skip=self._tied_names,
+            dtype=self.compute_dtype,
+        ):
             weights |= bucket
-        temp = distributed.broadcast_object(ckpt.start_checkpoint(self.run_dir, self.step) if self.is_main else None)
-        ckpt.save_sharded(temp, self.policy, self.optimizer if self.config.checkpoint.save_optimizer else None)
+        temp = distributed.broadcast_object(
+            ckpt.start_checkpoint(self.run_dir, self.step) if self.is_main else None
+        )
+        ckpt.save_sharded(
+            temp, self.policy, self.optimizer if self.config.checkpoint.save_optimizer else None
+        )
         if self.is_main:
             ckpt.write_checkpoint_files(
-                temp, model=self.policy, tokenizer=self.tokenizer, trainer_state=self._state(),
+                temp,
+                model=self.policy,
+                tokenizer=self.tokenizer,
+                trainer_state=self._state(),
                 config_yaml=dump_config(self.config),
-                model_state=weights, dtype=self.compute_dtype,
-            )  # fmt: skip
+                model_state=weights,
+                dtype=self.compute_dtype,
+            )
             ckpt.finish_checkpoint(self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last)
         distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
 
@@ -395,7 +472,9 @@ class Trainer:
             self.agents.load_state_dict(state["agents"])
         ckpt.set_rng_state(state["rng"])
         sharded = self.distributed is not None
-        ckpt.load_optimizer(folder, state, self.policy, self.optimizer, sharded_model=sharded)  # else Adam starts over
+        ckpt.load_optimizer(
+            folder, state, self.policy, self.optimizer, sharded_model=sharded
+        )  # else Adam starts over
         # The schedule is a function of the step: stepped as often as the uninterrupted run stepped it,
         # it gives the same rates bit for bit, from checkpoints of any version of llmrl.
         fast_forward(self.scheduler, self.step)
@@ -409,11 +488,20 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(dump_config(self.config))
         resume_step = self.step if self.resumed else None
         logging = self.config.logging
-        self.metrics_logger = stack.enter_context(MetricsLogger(
-            self.run_dir, tensorboard=logging.tensorboard, wandb=logging.wandb, wandb_project=logging.wandb_project,
-            wandb_mode=logging.wandb_mode, config=self.config.model_dump(mode="json"), resume_step=resume_step,
-        ))  # fmt: skip
-        self.rollout_log = stack.enter_context(RolloutLog(self.run_dir / "rollouts.jsonl", resume_step=resume_step))
+        self.metrics_logger = stack.enter_context(
+            MetricsLogger(
+                self.run_dir,
+                tensorboard=logging.tensorboard,
+                wandb=logging.wandb,
+                wandb_project=logging.wandb_project,
+                wandb_mode=logging.wandb_mode,
+                config=self.config.model_dump(mode="json"),
+                resume_step=resume_step,
+            )
+        )
+        self.rollout_log = stack.enter_context(
+            RolloutLog(self.run_dir / "rollouts.jsonl", resume_step=resume_step)
+        )
         self.tracer = Tracer(self.run_dir / "trace.json", enabled=logging.trace)
         stack.callback(self.tracer.save)
         stack.enter_context(use_tracer(self.tracer))
@@ -429,8 +517,11 @@ class Trainer:
         if not self.is_main:
             return summary
         atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png",
-                    title=f"{self.config.model.spec} on {', '.join(e.name for e in self.config.environments)}")
+        plot_curves(
+            read_metrics(self.run_dir / "metrics.jsonl"),
+            self.run_dir / "curves.png",
+            title=f"{self.config.model.spec} on {', '.join(e.name for e in self.config.environments)}",
+        )
         return summary
 
 
@@ -471,7 +562,10 @@ def _stop_after_step_on_interrupt(
 @contextlib.contextmanager
 def _deterministic_algorithms() -> Iterator[None]:
     """Deterministic torch kernels for the run; the process-wide setting is restored afterwards."""
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -491,6 +585,8 @@ def _device(choice: str) -> str:
 def _evaluation_line(step: int, summary: Summary) -> str:
     parts = []
     for env, metrics in summary.items():
-        shown = ", ".join(f"{name} {metrics[name]:.3f}" for name in ("pass@1", "greedy_accuracy") if name in metrics)
+        shown = ", ".join(
+            f"{name} {metrics[name]:.3f}" for name in ("pass@1", "greedy_accuracy") if name in metrics
+        )
         parts.append(f"{env}: {shown}")
     return f"evaluation at step {step}: " + "; ".join(parts)

@@ -5,7 +5,8 @@ and the transports that deliver a weight version to where it serves.
 |---|---|
 | `transport.py` | `WeightTransport` (the one interface), `Weights` (what it takes), `WeightSyncError` |
 | `checks.py` | what a tensor, a state dict or a bucket must pass (against a model or a checkpoint manifest) |
-| `buckets.py` | `weight_buckets` (whole decoder layers, bounded bytes), `Bucket`, safetensors bytes and files |
+| `buckets.py` | `weight_buckets` (whole decoder layers, bounded bytes), `Bucket`, safetensors bytes and files
+|
 | `in_process.py` | into the embedded engine's model, between its decode steps |
 | `llmrl_server.py` | to llmrl's inference server: a file in a shared folder, or streamed over HTTP |
 | `nccl.py` | to vLLM's GPU workers by NCCL broadcast |

@@ -67,14 +67,21 @@ class Bucket:
 
 
 def serialised_buckets(
-    state: dict[str, torch.Tensor], bucket_bytes: int, *, folder: Path | None = None, prefix: str = "", first_index: int = 0
+    state: dict[str, torch.Tensor],
+    bucket_bytes: int,
+    *,
+    folder: Path | None = None,
+    prefix: str = "",
+    first_index: int = 0,
 ) -> list[Bucket]:
     """`state` serialised in buckets of at most `bucket_bytes`, numbered from `first_index`: in
     memory, or as files ``{prefix}bucket{index}.safetensors`` in `folder` when one is given."""
     from safetensors.torch import save, save_file
 
     buckets = []
-    for index, names in enumerate(weight_buckets(list(state), tensor_bytes(state), bucket_bytes), first_index):
+    for index, names in enumerate(
+        weight_buckets(list(state), tensor_bytes(state), bucket_bytes), first_index
+    ):
         tensors = safetensors_ready({name: state[name] for name in names})
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)

@@ -42,14 +42,19 @@ class ServedTensor(NamedTuple):
 
 def served_tensors(model: torch.nn.Module) -> dict[str, ServedTensor]:
     """What each tensor of `model`'s state dict must be to replace it, by name."""
-    return {name: ServedTensor(tensor.shape, tensor.is_floating_point()) for name, tensor in model.state_dict().items()}
+    return {
+        name: ServedTensor(tensor.shape, tensor.is_floating_point())
+        for name, tensor in model.state_dict().items()
+    }
 
 
 def check_state_dict(served: dict[str, ServedTensor], state: dict[str, Any]) -> None:
     """Refuse (ValueError) a state dict, or part of one, that cannot replace tensors of `served`."""
     unknown = sorted(k for k in state if k not in served)
     if unknown:
-        raise ValueError(f"state_dict: keys the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        raise ValueError(
+            f"state_dict: keys the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+        )
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
@@ -61,7 +66,9 @@ def check_state_dict(served: dict[str, ServedTensor], state: dict[str, Any]) -> 
 # -- against a served checkpoint's manifest (vLLM) ------------------------------------------------
 
 
-def check_weights(state: dict[str, torch.Tensor], manifest: Manifest, server: str, *, complete: bool = True) -> None:
+def check_weights(
+    state: dict[str, torch.Tensor], manifest: Manifest, server: str, *, complete: bool = True
+) -> None:
     """Refuse (ValueError) a state dict that does not match the served checkpoint tensor for tensor;
     without `complete`, a bucket of one (the missing names are `check_names`' to find at the end)."""
     check_names(set(state), manifest, server, complete=complete)
@@ -72,7 +79,8 @@ def check_weights(state: dict[str, torch.Tensor], manifest: Manifest, server: st
 
 
 def check_names(names: set[str], manifest: Manifest, server: str, *, complete: bool = True) -> None:
-    """Refuse (ValueError) names the served checkpoint lacks and, when `complete`, any of its tensors missing."""
+    """Refuse (ValueError) names the served checkpoint lacks and, when `complete`, any of its tensors
+    missing."""
     unknown = sorted(names - set(manifest))
     missing = sorted(set(manifest) - names) if complete else []
     if unknown or missing:

@@ -30,7 +30,9 @@ Post = Callable[..., Awaitable[Any]]
 class LlmrlServerTransport:
     """`WeightTransport` to one llmrl inference server; `version` is what it serves after the last send."""
 
-    def __init__(self, post: Post, run: Callable[[Coroutine[Any, Any, None]], None], weights_dir: Path | None):
+    def __init__(
+        self, post: Post, run: Callable[[Coroutine[Any, Any, None]], None], weights_dir: Path | None
+    ):
         """`post` sends one request to the server's API root; `run` runs a coroutine to its end
         from synchronous code (the client's event-loop bridge)."""
         self._post = post

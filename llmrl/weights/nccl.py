@@ -118,8 +118,9 @@ class NCCLTransport:
         self.client = _ServersClient(servers, offsets)
         self.source = _StateSource()
         address = _master_address([s.url for s in servers])
-        info = NCCLTrainerInitInfo(master_address=address, master_port=free_port(address),
-                                   world_size=1 + sum(sizes), rank=0)  # fmt: skip
+        info = NCCLTrainerInitInfo(
+            master_address=address, master_port=free_port(address), world_size=1 + sum(sizes), rank=0
+        )
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=self.client, source=self.source.as_weight_source()
         )

@@ -106,7 +106,9 @@ class LlmrlWeightTransferEngine(WeightTransferEngine[LlmrlInitInfo, LlmrlUpdateI
         pending, self.pending = self.pending, {}
         missing = sorted(set(self.manifest) - set(pending))
         if missing:  # fused weights (q/k/v, gate/up) loaded in part would serve silently wrong
-            raise ValueError(f"finish_weight_update: the update lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+            raise ValueError(
+                f"finish_weight_update: the update lacks {len(missing)} tensor(s), e.g. {missing[:3]}"
+            )
         initialize_layerwise_reload(self.model)
         self.model.load_weights((name, tensor.to(self.device)) for name, tensor in pending.items())
         finalize_layerwise_reload(self.model, self.model_config)

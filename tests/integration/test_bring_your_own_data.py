@@ -1,4 +1,5 @@
-"""Training from data and rewards written for TRL or verl, and per-environment sampling options, on the tiny model.
+"""Training from data and rewards written for TRL or verl, and per-environment sampling options, on the tiny
+model.
 
 The fixtures (tests/fixtures/layouts) hold the tiny model's addition problems in verl's parquet
 layout and TRL's conversational jsonl layout; the reward is a TRL-style function from a plug-in
@@ -25,17 +26,19 @@ LOGGING = {"progress": "off", "tensorboard": False, "trace": False}
 
 
 def run(tmp_path: Path, environment: dict, *, steps: int, evaluation: dict | None = None, **sections) -> dict:
-    config = config_from_dict({
-        "run_dir": str(tmp_path / "run"),
-        "plugins": [str(FIXTURES / "arithmetic_rewards.py")],
-        "environments": [environment],
-        "inference": {"max_concurrent": 256, "generation": {"max_tokens": 16}},
-        "training": {"steps": steps, "prompts_per_step": 32, "group_size": 8, "lr": 3e-4},
-        "evaluation": evaluation or EVALUATION,
-        "checkpoint": {"every": 0},
-        "logging": LOGGING,
-        **sections,
-    })
+    config = config_from_dict(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "plugins": [str(FIXTURES / "arithmetic_rewards.py")],
+            "environments": [environment],
+            "inference": {"max_concurrent": 256, "generation": {"max_tokens": 16}},
+            "training": {"steps": steps, "prompts_per_step": 32, "group_size": 8, "lr": 3e-4},
+            "evaluation": evaluation or EVALUATION,
+            "checkpoint": {"every": 0},
+            "logging": LOGGING,
+            **sections,
+        }
+    )
     try:
         return Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
     finally:
@@ -50,12 +53,18 @@ def run(tmp_path: Path, environment: dict, *, steps: int, evaluation: dict | Non
         ("trl", ("trl_train.jsonl", "trl_test.jsonl"), "correct_sum"),
     ],
 )
-def test_held_out_accuracy_rises_on_a_layout_with_a_trl_reward_function(tmp_path, tiny_model_path, layout, files,
-                                                                        function):
-    environment = {"agent_type": "dataset", "env_id": layout, "agent_args": {
-        "data_files": str(FIXTURES / files[0]), "eval_data_files": str(FIXTURES / files[1]),
-        "reward_functions": [{"function": f"arithmetic_rewards:{function}", "weight": 1.0}],
-    }}
+def test_held_out_accuracy_rises_on_a_layout_with_a_trl_reward_function(
+    tmp_path, tiny_model_path, layout, files, function
+):
+    environment = {
+        "agent_type": "dataset",
+        "env_id": layout,
+        "agent_args": {
+            "data_files": str(FIXTURES / files[0]),
+            "eval_data_files": str(FIXTURES / files[1]),
+            "reward_functions": [{"function": f"arithmetic_rewards:{function}", "weight": 1.0}],
+        },
+    }
     summary = run(tmp_path, environment, steps=40)
     before, after = summary["eval_start"][layout], summary["eval_end"][layout]
     # Measured on 2 CPU cores: verl 0.289 -> 0.377, trl 0.301 -> 0.439 (about 40-60 s per run).
@@ -67,8 +76,10 @@ def test_held_out_accuracy_rises_on_a_layout_with_a_trl_reward_function(tmp_path
 def test_an_environment_with_its_own_sampling_options_trains_on_policy(tmp_path, tiny_model_path):
     """The environment samples at T=0.6 with top-k and min-p while the run's default is T=1: the
     trainer recomputes its logprobs with each rollout's options, so the mismatch is float noise."""
-    environment = {"agent_type": "arithmetic", "agent_args": {
-        "generation_args": {"temperature": 0.6, "top_k": 8, "min_p": 0.01}}}
+    environment = {
+        "agent_type": "arithmetic",
+        "agent_args": {"generation_args": {"temperature": 0.6, "top_k": 8, "min_p": 0.01}},
+    }
     run(tmp_path, environment, steps=3, evaluation={"at_start": False, "at_end": False})
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 3

@@ -9,7 +9,14 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--set", "evaluation.num_prompts=8", "--set", "evaluation.samples_per_prompt=4", "--set", "evaluation.ks=[1, 4]"]
+SMALL = [
+    "--set",
+    "evaluation.num_prompts=8",
+    "--set",
+    "evaluation.samples_per_prompt=4",
+    "--set",
+    "evaluation.ks=[1, 4]",
+]
 
 
 def _llmrl(*argv, cwd):
@@ -19,7 +26,9 @@ def _llmrl(*argv, cwd):
 
 
 def test_train_demo_writes_run_folder(tmp_path, tiny_model):
-    result = _llmrl("train", "--set", f"run_dir={tmp_path / 'run'}", "--set", "training.steps=2", *SMALL, cwd=tmp_path)
+    result = _llmrl(
+        "train", "--set", f"run_dir={tmp_path / 'run'}", "--set", "training.steps=2", *SMALL, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["spec"] == "tiny://arithmetic"
@@ -53,7 +62,9 @@ def test_export_writes_a_plain_hugging_face_folder(tmp_path, tiny_model):
     assert result.returncode == 0, result.stderr
     model, tokenizer = tiny_model
     exported = AutoModelForCausalLM.from_pretrained(out)
-    assert AutoTokenizer.from_pretrained(out).encode("What is 12 + 34?") == tokenizer.encode("What is 12 + 34?")
+    assert AutoTokenizer.from_pretrained(out).encode("What is 12 + 34?") == tokenizer.encode(
+        "What is 12 + 34?"
+    )
     ids = torch.tensor([tokenizer.encode("What is 12 + 34?")])
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, model(ids).logits)

@@ -19,9 +19,17 @@ from llmrl.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 
-QUICK = ["training.steps=3", "training.prompts_per_step=4", "training.group_size=4", "evaluation.at_start=false",
-         "evaluation.every=0", "evaluation.num_prompts=8", "logging.progress=off", "logging.tensorboard=false",
-         "training.device=cuda"]  # fmt: skip
+QUICK = [
+    "training.steps=3",
+    "training.prompts_per_step=4",
+    "training.group_size=4",
+    "evaluation.at_start=false",
+    "evaluation.every=0",
+    "evaluation.num_prompts=8",
+    "logging.progress=off",
+    "logging.tensorboard=false",
+    "training.device=cuda",
+]
 
 
 def train(run_dir, *overrides: str) -> dict:
@@ -38,8 +46,12 @@ def test_bfloat16_compute_over_float32_masters_on_a_gpu(tmp_path, tiny_model_pat
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(row["train/loss"])) for row in steps)
     # CUDA's allocator peak, under the plan (which has no process term on a GPU)
     assert all(0 < row["memory/peak_gb"] <= row["memory/plan_gb"] for row in steps)
-    trained = [row for row in steps if "train/mismatch_kl" in row]  # a step whose groups all tie trains nothing
-    assert trained and max(row["train/mismatch_kl"] for row in trained) < 1e-2  # engine and trainer both in bfloat16
+    trained = [
+        row for row in steps if "train/mismatch_kl" in row
+    ]  # a step whose groups all tie trains nothing
+    assert (
+        trained and max(row["train/mismatch_kl"] for row in trained) < 1e-2
+    )  # engine and trainer both in bfloat16
     folder = run_dir / "checkpoints" / "step_000003"
     assert {t.dtype for t in load_file(folder / "model" / "model.safetensors").values()} == {torch.bfloat16}
     assert json.loads((folder / "model" / "config.json").read_text())["dtype"] == "bfloat16"

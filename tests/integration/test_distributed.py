@@ -21,21 +21,40 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4
 SETTINGS = [
-    f"training.steps={STEPS}", "training.prompts_per_step=8", "training.lr=1e-4", "checkpoint.every=2",
-    "checkpoint.keep_last=3", "evaluation.at_start=false", "evaluation.every=0", "evaluation.num_prompts=8",
-    "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]", "logging.progress=plain", "logging.tensorboard=false",
-]  # fmt: skip
+    f"training.steps={STEPS}",
+    "training.prompts_per_step=8",
+    "training.lr=1e-4",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=3",
+    "evaluation.at_start=false",
+    "evaluation.every=0",
+    "evaluation.num_prompts=8",
+    "evaluation.samples_per_prompt=2",
+    "evaluation.ks=[1, 2]",
+    "logging.progress=plain",
+    "logging.tensorboard=false",
+]
 
 
 def train(run_dir: Path, processes: int, *overrides: str) -> subprocess.CompletedProcess:
-    """`llmrl train` of the test config (plus `overrides`) in `processes` processes (torchrun when more than one)."""
+    """`llmrl train` of the test config (plus `overrides`) in `processes` processes (torchrun when more than
+    one)."""
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
         if processes > 1
         else []
     )
-    argv = [sys.executable, *launcher, "-m", "llmrl", "train", *[a for s in SETTINGS for a in ("--set", s)],
-            "--set", f"run_dir={run_dir}", *[a for s in overrides for a in ("--set", s)]]  # fmt: skip
+    argv = [
+        sys.executable,
+        *launcher,
+        "-m",
+        "llmrl",
+        "train",
+        *[a for s in SETTINGS for a in ("--set", s)],
+        "--set",
+        f"run_dir={run_dir}",
+        *[a for s in overrides for a in ("--set", s)],
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=run_dir.parent, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -118,8 +137,11 @@ def test_bfloat16_compute_over_float32_master_shards(tmp_path, tiny_model_path):
     model_folder = run_dir / "checkpoints" / "step_000002" / "model"
     assert '"dtype": "bfloat16"' in (model_folder / "config.json").read_text()
     metadata = dcp.FileSystemReader(str(model_folder.parent / "sharded")).read_metadata()
-    masters = {name: entry.properties.dtype for name, entry in metadata.state_dict_metadata.items()
-               if name.startswith("model.") and hasattr(entry, "properties")}  # fmt: skip
+    masters = {
+        name: entry.properties.dtype
+        for name, entry in metadata.state_dict_metadata.items()
+        if name.startswith("model.") and hasattr(entry, "properties")
+    }
     assert masters and set(masters.values()) == {torch.float32}
 
 
@@ -127,10 +149,13 @@ def test_bfloat16_compute_over_float32_master_shards(tmp_path, tiny_model_path):
     ("settings", "optimizer_steps"),
     [
         pytest.param(["training.mini_batches=2"], 2, id="mini-batches"),
-        pytest.param(["training.mini_batches=2", "training.iterations=2", "algorithm.kl_beta=0.04"], 4,
-                     id="iterations-and-reference-kl"),
+        pytest.param(
+            ["training.mini_batches=2", "training.iterations=2", "algorithm.kl_beta=0.04"],
+            4,
+            id="iterations-and-reference-kl",
+        ),
     ],
-)  # fmt: skip
+)
 def test_old_policy_and_reference_logprobs_match_one_process(
     tmp_path, tiny_model_path, settings, optimizer_steps
 ):
@@ -160,11 +185,31 @@ def test_resume_with_another_number_of_processes(runs, tmp_path, written_by, res
 def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_path):
     """Ctrl-C in a terminal signals torchrun and every worker (one process group); torchrun forwards it."""
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "llmrl",
-            "train", *[a for s in SETTINGS for a in ("--set", s)], "--set", "training.steps=1000",
-            "--set", "checkpoint.every=0", "--set", f"run_dir={run}"]  # fmt: skip
-    process = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "llmrl",
+        "train",
+        *[a for s in SETTINGS for a in ("--set", s)],
+        "--set",
+        "training.steps=1000",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        f"run_dir={run}",
+    ]
+    process = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 2:
         assert process.poll() is None and time.monotonic() < deadline
@@ -229,7 +274,9 @@ def test_meta_built_ranks_compute_like_one_process_and_gather_bounded_buckets(tm
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for rank in (0, 1):
-        assert f"rank {rank}: sharded loading and bucketed gathering agree with one process" in output, output[-4000:]
+        assert f"rank {rank}: sharded loading and bucketed gathering agree with one process" in output, (
+            output[-4000:]
+        )
 
 
 # Rank 0 fails and leaves without the barrier; rank 1's barrier then fails for want of its peer.

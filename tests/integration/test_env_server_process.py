@@ -76,9 +76,7 @@ def test_remote_agent_with_the_real_inference_server(tmp_path, config_file, tiny
 
     model = ["--model", "tiny://arithmetic"]
     with (
-        serving(
-            "llmrl", "serve-inference", *model, log_path=tmp_path / "inference.log"
-        ) as inference_url,
+        serving("llmrl", "serve-inference", *model, log_path=tmp_path / "inference.log") as inference_url,
         serving("llmrl", "serve-env", str(config_file), log_path=tmp_path / "env.log") as env_url,
     ):
         inference = OpenAIInterface(f"{inference_url}/v1")

@@ -21,9 +21,17 @@ def server(tiny_model_path, tmp_path):
     folder = tmp_path / "weights"
     folder.mkdir()
     with serving(
-        "llmrl", "serve-inference", "--model", "tiny://arithmetic", "--api-key", KEY, "--weights-dir", str(folder),
-        log_path=tmp_path / "server.log", headers={"Authorization": f"Bearer {KEY}"},
-    ) as base_url:  # fmt: skip
+        "llmrl",
+        "serve-inference",
+        "--model",
+        "tiny://arithmetic",
+        "--api-key",
+        KEY,
+        "--weights-dir",
+        str(folder),
+        log_path=tmp_path / "server.log",
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as base_url:
         yield base_url, folder
 
 

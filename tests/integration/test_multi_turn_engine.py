@@ -30,7 +30,9 @@ def test_multi_turn_trajectory_matches_a_teacher_forced_pass(tiny_model):
     assert any(len(r.trajectory) > 2 for r in rollouts), "some episode should need a second turn"
     for rollout in rollouts:
         # segments alternate: prompt, model, user, model, ...; only model segments are masked in
-        assert [all(m) for m in rollout.generation_mask] == [i % 2 == 1 for i in range(len(rollout.trajectory))]
+        assert [all(m) for m in rollout.generation_mask] == [
+            i % 2 == 1 for i in range(len(rollout.trajectory))
+        ]
         tokens = torch.tensor([rollout.tokens])
         with torch.no_grad():
             logits = model(tokens).logits.float()

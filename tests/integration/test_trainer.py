@@ -1,4 +1,5 @@
-"""`llmrl train` end to end on the tiny model: run folder, learning, exact resume after SIGKILL, golden numbers."""
+"""`llmrl train` end to end on the tiny model: run folder, learning, exact resume after SIGKILL, golden
+numbers."""
 
 from __future__ import annotations
 
@@ -25,9 +26,14 @@ from llmrl.trainer.rollouts import InferenceUnavailableError
 pytestmark = pytest.mark.slow
 
 QUICK = [
-    "training.prompts_per_step=8", "evaluation.num_prompts=8", "evaluation.samples_per_prompt=2", "evaluation.ks=[1, 2]",
-    "logging.progress=plain", "logging.tensorboard=false", "training.lr_schedule=constant",
-]  # fmt: skip
+    "training.prompts_per_step=8",
+    "evaluation.num_prompts=8",
+    "evaluation.samples_per_prompt=2",
+    "evaluation.ks=[1, 2]",
+    "logging.progress=plain",
+    "logging.tensorboard=false",
+    "training.lr_schedule=constant",
+]
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
@@ -36,8 +42,9 @@ def train(run_dir: Path, *overrides: str) -> dict:
 
 
 def llmrl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmrl", *argv], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "llmrl", *argv], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -47,15 +54,28 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_short_run_writes_the_whole_run_folder(tmp_path, tiny_model_path):
     run = tmp_path / "run"
-    summary = train(run, "training.steps=3", "evaluation.every=2", "checkpoint.every=2", "checkpoint.keep_last=1")
+    summary = train(
+        run, "training.steps=3", "evaluation.every=2", "checkpoint.every=2", "checkpoint.keep_last=1"
+    )
     rows = read_metrics(run / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     for row in rows[1:]:
         assert math.isfinite(row["train/loss"]) and math.isfinite(row["reward/mean"])
         assert row["time/step_s"] > 0 and row["train/lr"] == pytest.approx(3e-4)
-        for key in ("train/grad_norm", "train/entropy", "train/clip_frac_high", "train/mismatch_kl",
-                    "rollout/response_length", "rollout/truncated_frac", "reward/arithmetic/pass_rate",
-                    "perf/tokens_per_s", "time/generate_s", "time/reward_s", "time/train_s", "time/sync_s"):
+        for key in (
+            "train/grad_norm",
+            "train/entropy",
+            "train/clip_frac_high",
+            "train/mismatch_kl",
+            "rollout/response_length",
+            "rollout/truncated_frac",
+            "reward/arithmetic/pass_rate",
+            "perf/tokens_per_s",
+            "time/generate_s",
+            "time/reward_s",
+            "time/train_s",
+            "time/sync_s",
+        ):
             assert key in row, key
         assert abs(row["train/mismatch_kl"]) < 1e-4  # engine and trainer logprobs of the same weights agree
     assert "eval/arithmetic/pass@1" in rows[0] and "eval/arithmetic/pass@1" in rows[2]
@@ -75,7 +95,13 @@ def test_short_run_writes_the_whole_run_folder(tmp_path, tiny_model_path):
 @pytest.mark.cross_cpu
 def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
     """Pins the first steps' numbers: a refactor that changes them must say why and update these."""
-    train(tmp_path, "training.steps=3", "evaluation.at_start=false", "evaluation.at_end=false", "training.lr=1e-4")
+    train(
+        tmp_path,
+        "training.steps=3",
+        "evaluation.at_start=false",
+        "evaluation.at_end=false",
+        "training.lr=1e-4",
+    )
     rows = read_metrics(tmp_path / "metrics.jsonl")
     observed = [(row["train/loss"], row["reward/mean"], row["train/entropy"]) for row in rows]
     # The shipped tiny model's numbers. Across processors (an AMD EPYC natively with AVX-512, and
@@ -93,18 +119,35 @@ def test_golden_metrics_of_a_deterministic_run(tmp_path, tiny_model_path):
 @pytest.mark.cross_cpu
 @pytest.mark.parametrize("lag", [0, 2])
 def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path, lag):
-    argv = ["train", *[a for o in QUICK for a in ("--set", o)], "--set", "training.steps=6",
-            "--set", "checkpoint.every=1", "--set", "evaluation.every=3", "--set", "training.lr=1e-4",
-            "--set", f"training.generation_lag={lag}"]
+    argv = [
+        "train",
+        *[a for o in QUICK for a in ("--set", o)],
+        "--set",
+        "training.steps=6",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "evaluation.every=3",
+        "--set",
+        "training.lr=1e-4",
+        "--set",
+        f"training.generation_lag={lag}",
+    ]
     whole = llmrl(*argv, "--set", f"run_dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
 
     killed_dir = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "llmrl", *argv, "--set", f"run_dir={killed_dir}"],
-                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llmrl", *argv, "--set", f"run_dir={killed_dir}"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not (killed_dir / "checkpoints" / "step_000003").exists():
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        assert process.poll() is None and time.monotonic() < deadline, (
+            "the run ended before it could be killed"
+        )
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -123,8 +166,10 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
     resumed_rows = read_metrics(killed_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed_rows] == [r["step"] for r in whole_rows]  # no step logged twice
     assert [r.get("train/loss") for r in resumed_rows] == [r.get("train/loss") for r in whole_rows]
-    assert json.loads((killed_dir / "summary.json").read_text())["eval_end"] == json.loads(
-        (tmp_path / "whole" / "summary.json").read_text())["eval_end"]
+    assert (
+        json.loads((killed_dir / "summary.json").read_text())["eval_end"]
+        == json.loads((tmp_path / "whole" / "summary.json").read_text())["eval_end"]
+    )
 
 
 @pytest.mark.cross_cpu
@@ -150,16 +195,25 @@ def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
         Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base, "training.lr=1e-3"]))
     extended = Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base[1:], "training.steps=3"]))
     assert extended.step == 2  # more steps of the same run is a resumption
-    forced = Trainer(load_config(None, [f"run_dir={tmp_path}", *QUICK, *base, "training.lr=1e-3"]), resume=True)
+    forced = Trainer(
+        load_config(None, [f"run_dir={tmp_path}", *QUICK, *base, "training.lr=1e-3"]), resume=True
+    )
     assert forced.step == 2
 
 
 @pytest.mark.cross_cpu
 def test_held_out_reward_rises(tmp_path, tiny_model_path):
     # The demo's batch and learning rate (constant) for a third of its steps.
-    summary = train(tmp_path, "training.steps=100", "evaluation.every=0", "checkpoint.every=0",
-                    "evaluation.num_prompts=64", "evaluation.samples_per_prompt=8", "evaluation.ks=[1, 8]",
-                    "training.prompts_per_step=32")
+    summary = train(
+        tmp_path,
+        "training.steps=100",
+        "evaluation.every=0",
+        "checkpoint.every=0",
+        "evaluation.num_prompts=64",
+        "evaluation.samples_per_prompt=8",
+        "evaluation.ks=[1, 8]",
+        "training.prompts_per_step=32",
+    )
     before, after = summary["eval_start"]["arithmetic"], summary["eval_end"]["arithmetic"]
     assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
 
@@ -171,8 +225,13 @@ def test_held_out_reward_rises(tmp_path, tiny_model_path):
         (["model.spec=/nonexistent/model"], "/nonexistent/model"),
         (["training.group_size=1"], "training.group_size"),
         (["training.micro_batch_tokens=8"], "training.micro_batch_tokens"),
-        (["environments.0.agent_type=dataset", "environments.0.agent_args={data_files: DATA, prompt_column: question}"],
-         "question"),
+        (
+            [
+                "environments.0.agent_type=dataset",
+                "environments.0.agent_args={data_files: DATA, prompt_column: question}",
+            ],
+            "question",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_work(tmp_path, tiny_model_path, overrides, message):
@@ -187,8 +246,15 @@ def test_bad_input_fails_before_any_work(tmp_path, tiny_model_path, overrides, m
 
 def test_eval_of_a_trained_run_folder(tmp_path, tiny_model_path):
     train(tmp_path / "run", "training.steps=1", "evaluation.at_start=false", "evaluation.at_end=false")
-    result = llmrl("eval", "--model", str(tmp_path / "run"), "--set", f"run_dir={tmp_path / 'eval'}",
-                   *[a for o in QUICK[:4] for a in ("--set", o)], cwd=tmp_path)
+    result = llmrl(
+        "eval",
+        "--model",
+        str(tmp_path / "run"),
+        "--set",
+        f"run_dir={tmp_path / 'eval'}",
+        *[a for o in QUICK[:4] for a in ("--set", o)],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "pass@1" in result.stdout
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
@@ -200,10 +266,25 @@ def test_eval_of_a_trained_run_folder(tmp_path, tiny_model_path):
 
 def test_ctrl_c_saves_the_last_finished_step(tmp_path, tiny_model_path):
     run = tmp_path / "run"
-    argv = ["train", *[a for o in QUICK for a in ("--set", o)], "--set", f"run_dir={run}",
-            "--set", "training.steps=1000", "--set", "checkpoint.every=0", "--set", "evaluation.at_start=false"]
-    process = subprocess.Popen([sys.executable, "-m", "llmrl", *argv], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    argv = [
+        "train",
+        *[a for o in QUICK for a in ("--set", o)],
+        "--set",
+        f"run_dir={run}",
+        "--set",
+        "training.steps=1000",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "evaluation.at_start=false",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llmrl", *argv],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 2:
         assert process.poll() is None and time.monotonic() < deadline
@@ -245,8 +326,15 @@ class DyingServer:
 @pytest.mark.cross_cpu
 @pytest.mark.parametrize("lag", [0, 1])
 def test_a_batch_from_a_dead_server_is_never_trained_on_and_a_rerun_matches(tmp_path, tiny_model_path, lag):
-    overrides = ["training.steps=4", "checkpoint.every=1", "evaluation.at_start=false", "evaluation.at_end=false",
-                 "evaluation.every=0", "training.lr=1e-4", f"training.generation_lag={lag}"]  # fmt: skip
+    overrides = [
+        "training.steps=4",
+        "checkpoint.every=1",
+        "evaluation.at_start=false",
+        "evaluation.at_end=false",
+        "evaluation.every=0",
+        "training.lr=1e-4",
+        f"training.generation_lag={lag}",
+    ]
     train(tmp_path / "whole", *overrides)
 
     run_dir = tmp_path / "interrupted"

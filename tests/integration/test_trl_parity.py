@@ -49,7 +49,10 @@ AGGREGATION_OF_LOSS_TYPE = {
 ADVANTAGES_OF_SCALE_REWARDS = {
     "group": {"advantage_estimator": "grpo", "advantage_std_ddof": 1, "advantage_eps": 1e-4},
     "batch": {
-        "advantage_estimator": "grpo", "advantage_std_scope": "batch", "advantage_std_ddof": 1, "advantage_eps": 1e-4,
+        "advantage_estimator": "grpo",
+        "advantage_std_scope": "batch",
+        "advantage_std_ddof": 1,
+        "advantage_eps": 1e-4,
     },
     "none": {"advantage_estimator": "dr_grpo"},
 }
@@ -80,9 +83,16 @@ def save_reference(folder: Path) -> Path:
     """A small random Qwen2 and a word-level tokenizer over its vocabulary, saved like a checkpoint."""
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token=f"t{UNK}"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -115,10 +125,19 @@ class Update:
 
 
 def trl_update(
-    policy: torch.nn.Module, reference_dir: Path, rollouts: Rollouts, out: Path, *,
-    loss_type: str, scale_rewards: str, beta: float, use_bias_correction_kl: bool, num_iterations: int,
-    epsilon_high: float, lr: float,
-) -> Update:  # fmt: skip
+    policy: torch.nn.Module,
+    reference_dir: Path,
+    rollouts: Rollouts,
+    out: Path,
+    *,
+    loss_type: str,
+    scale_rewards: str,
+    beta: float,
+    use_bias_correction_kl: bool,
+    num_iterations: int,
+    epsilon_high: float,
+    lr: float,
+) -> Update:
     """One generation through TRL's GRPOTrainer, its sampling replaced by `rollouts`."""
     prompt_texts = [f"prompt {g}" for g in range(PROMPTS)]
     records: dict[str, Any] = {"losses": []}
@@ -142,7 +161,9 @@ def trl_update(
             records["advantages"] = output["advantages"].detach().clone()  # before TRL shuffles the rows
             return output
 
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        def compute_loss(
+            self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             records["losses"].append(loss.item())
             return loss
@@ -152,19 +173,41 @@ def trl_update(
             records["gradients"] = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
 
     config = GRPOConfig(
-        output_dir=str(out), max_steps=num_iterations, per_device_train_batch_size=PROMPTS * GROUP_SIZE,
-        gradient_accumulation_steps=1, num_generations=GROUP_SIZE, num_iterations=num_iterations,
-        shuffle_dataset=False, max_completion_length=MAX_COMPLETION, temperature=1.0, learning_rate=lr,
-        lr_scheduler_type="constant", max_grad_norm=1.0, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
-        epsilon=0.2, epsilon_high=epsilon_high, loss_type=loss_type, scale_rewards=scale_rewards, bf16=False,
-        use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
-    )  # fmt: skip
+        output_dir=str(out),
+        max_steps=num_iterations,
+        per_device_train_batch_size=PROMPTS * GROUP_SIZE,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP_SIZE,
+        num_iterations=num_iterations,
+        shuffle_dataset=False,
+        max_completion_length=MAX_COMPLETION,
+        temperature=1.0,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        beta=beta,
+        use_bias_correction_kl=use_bias_correction_kl,
+        epsilon=0.2,
+        epsilon_high=epsilon_high,
+        loss_type=loss_type,
+        scale_rewards=scale_rewards,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+    )
     trainer = RecordingGRPOTrainer(
-        model=policy, reward_funcs=fixed_rewards, args=config,
+        model=policy,
+        reward_funcs=fixed_rewards,
+        args=config,
         train_dataset=datasets.Dataset.from_list([{"prompt": text} for text in prompt_texts]),
         processing_class=transformers.AutoTokenizer.from_pretrained(reference_dir),
-        rollout_func=fixed_generation, callbacks=[GradientRecorder()],
-    )  # fmt: skip
+        rollout_func=fixed_generation,
+        callbacks=[GradientRecorder()],
+    )
     trainer.train()
     weights = {n: p.detach().clone() for n, p in policy.named_parameters()}
     grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
@@ -172,30 +215,55 @@ def trl_update(
 
 
 def llmrl_update(
-    policy: torch.nn.Module, reference_dir: Path, rollouts: Rollouts, *,
-    loss_type: str, scale_rewards: str, beta: float, use_bias_correction_kl: bool, num_iterations: int,
-    epsilon_high: float, lr: float,
-) -> tuple[Update, dict[str, float]]:  # fmt: skip
+    policy: torch.nn.Module,
+    reference_dir: Path,
+    rollouts: Rollouts,
+    *,
+    loss_type: str,
+    scale_rewards: str,
+    beta: float,
+    use_bias_correction_kl: bool,
+    num_iterations: int,
+    epsilon_high: float,
+    lr: float,
+) -> tuple[Update, dict[str, float]]:
     """llmrl's update path on the same rollouts, configured as TRL's settings map; and its metrics."""
     algorithm = AlgorithmConfig(
-        **ADVANTAGES_OF_SCALE_REWARDS[scale_rewards], aggregation=AGGREGATION_OF_LOSS_TYPE[loss_type],
-        kl_beta=beta, kl_estimator="k3", kl_ratio_weighted=use_bias_correction_kl, clip_low=0.2,
+        **ADVANTAGES_OF_SCALE_REWARDS[scale_rewards],
+        aggregation=AGGREGATION_OF_LOSS_TYPE[loss_type],
+        kl_beta=beta,
+        kl_estimator="k3",
+        kl_ratio_weighted=use_bias_correction_kl,
+        clip_low=0.2,
         clip_high=epsilon_high,
-    )  # fmt: skip
+    )
     training = TrainingConfig(lr=lr, max_grad_norm=1.0, iterations=num_iterations)
     groups = [
-        RolloutGroup(group_id=f"g{g}", rollouts=[
-            TokenRollout(
-                trajectory=[rollouts.prompts[g], completion],
-                generation_mask=[[False] * len(rollouts.prompts[g]), [True] * len(completion)],
-                reward=REWARDS[i], env_id="fixed", problem_id=f"p{g}", truncated=completion[-1] != EOS,
-            )
-            for i, completion in enumerate(rollouts.completions) if i // GROUP_SIZE == g
-        ])
+        RolloutGroup(
+            group_id=f"g{g}",
+            rollouts=[
+                TokenRollout(
+                    trajectory=[rollouts.prompts[g], completion],
+                    generation_mask=[[False] * len(rollouts.prompts[g]), [True] * len(completion)],
+                    reward=REWARDS[i],
+                    env_id="fixed",
+                    problem_id=f"p{g}",
+                    truncated=completion[-1] != EOS,
+                )
+                for i, completion in enumerate(rollouts.completions)
+                if i // GROUP_SIZE == g
+            ],
+        )
         for g in range(PROMPTS)
-    ]  # fmt: skip
-    batch, advantages = prepare_batch(groups, group_size=GROUP_SIZE, algorithm=algorithm, max_tokens=MAX_COMPLETION)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32) if beta else None
+    ]
+    batch, advantages = prepare_batch(
+        groups, group_size=GROUP_SIZE, algorithm=algorithm, max_tokens=MAX_COMPLETION
+    )
+    reference = (
+        transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
+        if beta
+        else None
+    )
     optimizer, _ = build_optimizer(policy, training)
     gradients: dict[str, torch.Tensor] = {}
 
@@ -204,9 +272,15 @@ def llmrl_update(
 
     optimizer.register_step_pre_hook(record_step)
     update = PolicyUpdate(
-        policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(temperature=1.0),
-        max_tokens=MAX_COMPLETION, pad_token_id=PAD, reference=reference,
-    )  # fmt: skip
+        policy,
+        optimizer,
+        algorithm=algorithm,
+        training=training,
+        generation_args=GenerationArgs(temperature=1.0),
+        max_tokens=MAX_COMPLETION,
+        pad_token_id=PAD,
+        reference=reference,
+    )
     metrics = update(batch, torch.Generator().manual_seed(0))
     weights = {n: p.detach().clone() for n, p in policy.named_parameters()}
     # llmrl reports the mean loss and gradient norm over the optimizer steps
@@ -218,16 +292,22 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_reference(tmp_path_factory.mktemp("trl_parity") / "reference")
 
 
-def assert_same_update(trl: Update, ours: Update, initial: dict[str, torch.Tensor], lr: float, steps: int) -> None:
+def assert_same_update(
+    trl: Update, ours: Update, initial: dict[str, torch.Tensor], lr: float, steps: int
+) -> None:
     torch.testing.assert_close(ours.advantages, trl.advantages, rtol=1e-5, atol=1e-6, msg="advantages")
     trl_loss = sum(trl.losses) / len(trl.losses)
     assert ours.losses[0] == pytest.approx(trl_loss, rel=1e-5, abs=1e-7), "loss"
     # The gradients below are compared after clipping, which would hide a scale; the norms before it show it.
     trl_norm = sum(trl.grad_norms) / len(trl.grad_norms)
-    assert len(trl.grad_norms) == steps and ours.grad_norms[0] == pytest.approx(trl_norm, rel=1e-5), "grad norm"
+    assert len(trl.grad_norms) == steps and ours.grad_norms[0] == pytest.approx(trl_norm, rel=1e-5), (
+        "grad norm"
+    )
     assert trl.gradients.keys() == ours.gradients.keys()
     for name, gradient in trl.gradients.items():
-        torch.testing.assert_close(ours.gradients[name], gradient, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+        torch.testing.assert_close(
+            ours.gradients[name], gradient, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}"
+        )
     for name, weight in trl.weights.items():
         moved = (weight - initial[name]).abs().max()
         assert moved > lr / 10, f"{name} did not move: the comparison would prove nothing"
@@ -248,7 +328,9 @@ def check_parity(reference_dir: Path, out: Path, **setting: Any) -> dict[str, fl
     initial = {n: p.detach().clone() for n, p in policy.named_parameters()}
     ours, metrics = llmrl_update(copy.deepcopy(policy), reference_dir, rollouts, **setting)
     trl = trl_update(policy, reference_dir, rollouts, out, **setting)
-    assert trl.advantages.abs().sum() > 0 and (trl.advantages[8:] == 0).all()  # signal, and the flat group's 0
+    assert (
+        trl.advantages.abs().sum() > 0 and (trl.advantages[8:] == 0).all()
+    )  # signal, and the flat group's 0
     assert_same_update(trl, ours, initial, setting["lr"], setting["num_iterations"])
     return metrics
 
@@ -265,9 +347,16 @@ def test_one_update_equals_trl(
 ):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
     metrics = check_parity(
-        reference_dir, tmp_path, loss_type=loss_type, scale_rewards=scale_rewards, beta=beta,
-        use_bias_correction_kl=use_bias_correction_kl, num_iterations=1, epsilon_high=0.2, lr=1e-3,
-    )  # fmt: skip
+        reference_dir,
+        tmp_path,
+        loss_type=loss_type,
+        scale_rewards=scale_rewards,
+        beta=beta,
+        use_bias_correction_kl=use_bias_correction_kl,
+        num_iterations=1,
+        epsilon_high=0.2,
+        lr=1e-3,
+    )
     assert metrics["ratio_mean"] == 1.0  # one step per generation: the ratio's denominator is the policy
 
 
@@ -277,7 +366,14 @@ def test_two_steps_on_one_generation_equal_trl(reference_dir, tmp_path, monkeypa
     clip-higher range (0.2 / 0.28) clips some tokens."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     metrics = check_parity(
-        reference_dir, tmp_path, loss_type=loss_type, scale_rewards="group", beta=0.04,
-        use_bias_correction_kl=True, num_iterations=2, epsilon_high=0.28, lr=0.03,
-    )  # fmt: skip
+        reference_dir,
+        tmp_path,
+        loss_type=loss_type,
+        scale_rewards="group",
+        beta=0.04,
+        use_bias_correction_kl=True,
+        num_iterations=2,
+        epsilon_high=0.28,
+        lr=0.03,
+    )
     assert metrics["clip_frac_low"] + metrics["clip_frac_high"] > 0

@@ -45,8 +45,17 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
-    started = [VLLMServer(model=str(model_dir), dtype="float32", config=CONFIG, port=free_port(), seed=0,
-                          log_path=logs / f"server-{i}.log") for i in range(2)]  # fmt: skip
+    started = [
+        VLLMServer(
+            model=str(model_dir),
+            dtype="float32",
+            config=CONFIG,
+            port=free_port(),
+            seed=0,
+            log_path=logs / f"server-{i}.log",
+        )
+        for i in range(2)
+    ]
     try:
         for server in started:
             server.spawn()
@@ -92,17 +101,25 @@ def reference_logprobs(model, prompt_ids, token_ids, *, temperature=1.0, top_k=0
 
 
 def request(prompt: str, **args) -> InferenceRequest:
-    return InferenceRequest(prompt=[ChatMessage(role="user", content=prompt)], n=args.pop("n", 4),
-                            generation_args=GenerationArgs(max_tokens=12, seed=1, **args))  # fmt: skip
+    return InferenceRequest(
+        prompt=[ChatMessage(role="user", content=prompt)],
+        n=args.pop("n", 4),
+        generation_args=GenerationArgs(max_tokens=12, seed=1, **args),
+    )
 
 
 def max_logprob_gap(vllm: VLLMInterface, model, **args) -> float:
     gaps = []
     for prompt in PROMPTS:
         for response in vllm.generate(request(prompt, **args)):
-            expected = reference_logprobs(model, response.prompt_token_ids, response.token_ids,
-                                          temperature=args.get("temperature", 1.0), top_k=args.get("top_k", 0),
-                                          top_p=args.get("top_p", 1.0))  # fmt: skip
+            expected = reference_logprobs(
+                model,
+                response.prompt_token_ids,
+                response.token_ids,
+                temperature=args.get("temperature", 1.0),
+                top_k=args.get("top_k", 0),
+                top_p=args.get("top_p", 1.0),
+            )
             gaps.append((expected - torch.tensor(response.logprobs)).abs().max().item())
     return max(gaps)
 
@@ -112,8 +129,13 @@ def greedy_matches(vllm: VLLMInterface, model) -> bool:
         response = vllm.generate(request(prompt, n=1, temperature=0.0))[0]
         ids = torch.tensor([response.prompt_token_ids])
         with torch.no_grad():
-            expected = model.generate(ids, max_new_tokens=len(response.token_ids), do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]  # fmt: skip
+            expected = model.generate(
+                ids,
+                max_new_tokens=len(response.token_ids),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, ids.shape[1] :]
         if expected.tolist() != response.token_ids:
             return False
     return True
@@ -127,15 +149,18 @@ def test_token_ids_and_logprobs_match_a_forward_pass(servers, model_dir, base_we
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     response = vllm.generate(request(PROMPTS[0], n=1))[0]
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)  # fmt: skip
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     assert response.prompt_token_ids == list(chat["input_ids"])
     for args in ({"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}):
         assert max_logprob_gap(vllm, model, **args) < 1e-4, args
 
 
 @pytest.mark.parametrize("transport", ["http", "disk"])
-def test_each_transport_serves_the_new_weights_on_every_server(servers, model_dir, base_weights, transport, tmp_path):
+def test_each_transport_serves_the_new_weights_on_every_server(
+    servers, model_dir, base_weights, transport, tmp_path
+):
     config = CONFIG.model_copy(update={"transport": transport})
     vllm = VLLMInterface([s.base_url for s in servers], config=config, weights_dir=tmp_path)
     new = perturbed(base_weights, seed={"http": 1, "disk": 2}[transport])
@@ -150,14 +175,27 @@ def test_each_transport_serves_the_new_weights_on_every_server(servers, model_di
     assert list(tmp_path.iterdir()) == []  # the weight files of a disk sync are deleted
 
 
-def test_an_update_waits_for_a_running_request_which_finishes_on_the_old_weights(servers, model_dir, base_weights):
+def test_an_update_waits_for_a_running_request_which_finishes_on_the_old_weights(
+    servers, model_dir, base_weights
+):
     vllm = VLLMInterface([servers[0].base_url], config=CONFIG)
     vllm.update_weights(base_weights, version=10, reset=True)
     answers = []
-    long_request = {"model": str(model_dir), "prompt": "12 + 34 =", "max_tokens": 200, "ignore_eos": True,
-                    "temperature": 1.0, "seed": 3, "logprobs": 1, "return_token_ids": True}  # fmt: skip
-    thread = threading.Thread(target=lambda: answers.append(
-        httpx.post(f"{servers[0].base_url}/v1/completions", json=long_request, timeout=120).json()))
+    long_request = {
+        "model": str(model_dir),
+        "prompt": "12 + 34 =",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{servers[0].base_url}/v1/completions", json=long_request, timeout=120).json()
+        )
+    )
     thread.start()
     time.sleep(0.5)  # the request is running
     new = perturbed(base_weights, seed=3)
@@ -189,7 +227,9 @@ def test_a_refused_update_leaves_the_old_weights_serving(servers, model_dir, bas
     assert greedy_matches(vllm, reference(model_dir, base_weights))
 
 
-def test_requests_spread_over_servers_survive_a_dead_one_and_a_managed_one_restarts(servers, model_dir, base_weights):
+def test_requests_spread_over_servers_survive_a_dead_one_and_a_managed_one_restarts(
+    servers, model_dir, base_weights
+):
     external = VLLMInterface([s.base_url for s in servers], config=CONFIG)
     new = perturbed(base_weights, seed=5)
     external.update_weights(new, version=30, reset=True)
@@ -225,10 +265,25 @@ def vllm_processes(run_dir: Path) -> list[str]:
 
 def test_llmrl_train_on_managed_vllm_learns_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "llmrl", "train", "examples/arithmetic_vllm.yaml",
-               "--set", f"run_dir={run_dir}", "--set", "training.steps=4", "--set", "evaluation.every=0",
-               "--set", "training.prompts_per_step=16", "--set", "logging.progress=plain",
-               "--set", "inference.vllm.cpu_kv_cache_gib=1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "llmrl",
+        "train",
+        "examples/arithmetic_vllm.yaml",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        "training.steps=4",
+        "--set",
+        "evaluation.every=0",
+        "--set",
+        "training.prompts_per_step=16",
+        "--set",
+        "logging.progress=plain",
+        "--set",
+        "inference.vllm.cpu_kv_cache_gib=1",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -241,8 +296,13 @@ def test_llmrl_train_on_managed_vllm_learns_and_leaves_no_process(tmp_path):
     assert vllm_processes(run_dir) == []
 
     # Ctrl-C twice (the second stops at once) while it trains: still no process left.
-    resumed = subprocess.Popen([*command, "--set", "training.steps=40"], cwd=Path(__file__).parents[2],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    resumed = subprocess.Popen(
+        [*command, "--set", "training.steps=40"],
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert resumed.stdout is not None
     for line in resumed.stdout:
         if line.startswith("step "):

@@ -40,7 +40,8 @@ def logprob(position: int) -> float:
 
 
 class ScriptedInference:
-    """Completions come from `reply(prompt_text, sample_index)`; exceptions it raises are inference failures."""
+    """Completions come from `reply(prompt_text, sample_index)`; exceptions it raises are inference
+    failures."""
 
     def __init__(
         self,

@@ -44,7 +44,9 @@ def reference_advantages(
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 @pytest.mark.parametrize("batch_std_normalize", [False, True])
-@pytest.mark.parametrize(("std_scope", "ddof", "eps"), [("group", 0, 1e-6), ("group", 1, 1e-4), ("batch", 1, 1e-4)])
+@pytest.mark.parametrize(
+    ("std_scope", "ddof", "eps"), [("group", 0, 1e-6), ("group", 1, 1e-4), ("batch", 1, 1e-4)]
+)
 def test_matches_reference_on_random_groups(estimator, batch_std_normalize, std_scope, ddof, eps):
     generator = torch.Generator().manual_seed(0)
     group_size, num_groups = 5, 12
@@ -97,7 +99,9 @@ def test_equal_rewards_give_exact_zeros(estimator):
     assert got.tolist() == [0.0] * 6
     lone = group_advantages([1.0, 0.0, 0.0], 3, estimator, valid=[True, False, False])
     assert lone.tolist() == [0.0, 0.0, 0.0]  # one valid rollout: no baseline, no signal
-    lone_sample_std = group_advantages([1.0, 0.0, 0.0], 3, estimator, valid=[True, False, False], ddof=1, eps=0.0)
+    lone_sample_std = group_advantages(
+        [1.0, 0.0, 0.0], 3, estimator, valid=[True, False, False], ddof=1, eps=0.0
+    )
     assert lone_sample_std.tolist() == [0.0, 0.0, 0.0]  # n - ddof = 0 must not make NaN
     assert not torch.isnan(group_advantages([2.0] * 4, 4, estimator, batch_std_normalize=True)).any()
 

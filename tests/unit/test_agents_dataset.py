@@ -46,7 +46,10 @@ def test_local_formats_load_with_a_column_mapping(tmp_path, suffix):
 
 def test_chat_prompts_with_a_system_message(tmp_path):
     agent = DatasetAgent(
-        data_files=write_rows(tmp_path, ".jsonl"), prompt_column="q", answer_column="a", system_prompt="Be brief."
+        data_files=write_rows(tmp_path, ".jsonl"),
+        prompt_column="q",
+        answer_column="a",
+        system_prompt="Be brief.",
     )
     eval_agent = DatasetAgent(
         data_files=write_rows(tmp_path, ".jsonl"),
@@ -60,27 +63,42 @@ def test_chat_prompts_with_a_system_message(tmp_path):
         ChatMessage(role="user", content="What is 0 + 0?"),
     ]
     assert problem.id == "train-0"
-    assert len(eval_agent.train_problems) == 12 and [p.id for p in eval_agent.eval_problems] == ["eval-0", "eval-1", "eval-2"]
+    assert len(eval_agent.train_problems) == 12 and [p.id for p in eval_agent.eval_problems] == [
+        "eval-0",
+        "eval-1",
+        "eval-2",
+    ]
 
 
 def test_a_missing_column_lists_the_columns_the_data_has(tmp_path):
     path = write_rows(tmp_path, ".jsonl")
     with pytest.raises(ValueError) as info:
         DatasetAgent(data_files=path, prompt_column="question", answer_column="a")
-    assert str(info.value) == f"{path}: prompt_column='question': not a column; the data's columns are ['q', 'a', 'topic', 'uid']"
+    assert (
+        str(info.value)
+        == f"{path}: prompt_column='question': not a column; the data's columns are ['q', 'a', 'topic', 'uid']"
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"prompt_template": "{prompt} ({level})"}, r"prompt_template '\{prompt\} \(\{level\}\)' cannot be filled .*'level'"),
+        (
+            {"prompt_template": "{prompt} ({level})"},
+            r"prompt_template '\{prompt\} \(\{level\}\)' cannot be filled .*'level'",
+        ),
         ({"data_files": "nope.jsonl"}, "data_files: no such file: nope.jsonl"),
         ({"data_files": None}, "exactly one of path"),
         ({"eval_split": "test"}, "eval_split needs path"),
     ],
 )
 def test_configuration_errors_name_the_argument(tmp_path, kwargs, message):
-    args = {"data_files": write_rows(tmp_path, ".jsonl"), "prompt_column": "q", "answer_column": "a", **kwargs}
+    args = {
+        "data_files": write_rows(tmp_path, ".jsonl"),
+        "prompt_column": "q",
+        "answer_column": "a",
+        **kwargs,
+    }
     with pytest.raises(ValueError, match=message):
         DatasetAgent(**args)
 
@@ -114,7 +132,11 @@ def test_exact_match_reward_on_the_marked_answer(tmp_path, completion, reward):
 
 def test_rollouts_from_a_dataset(tmp_path):
     agent = DatasetAgent(
-        data_files=write_rows(tmp_path, ".jsonl"), prompt_column="q", answer_column="a", chat=False, eval_size=2
+        data_files=write_rows(tmp_path, ".jsonl"),
+        prompt_column="q",
+        answer_column="a",
+        chat=False,
+        eval_size=2,
     )
 
     def reply(prompt, i):
@@ -136,7 +158,13 @@ def test_answer_extractors():
 
 @pytest.mark.parametrize(
     "a, b, same",
-    [("1,000", "1000", True), ("  Paris. ", "paris", True), ("2.50", "2.5", True), ("$5", "5", True), ("1", "2", False)],
+    [
+        ("1,000", "1000", True),
+        ("  Paris. ", "paris", True),
+        ("2.50", "2.5", True),
+        ("$5", "5", True),
+        ("1", "2", False),
+    ],
 )
 def test_normalize_answer(a, b, same):
     assert (normalize_answer(a) == normalize_answer(b)) == same

@@ -1,4 +1,5 @@
-"""Every shipped example config loads, and its environments build and have problems to train and evaluate on."""
+"""Every shipped example config loads, and its environments build and have problems to train and evaluate
+on."""
 
 import sys
 from pathlib import Path
@@ -24,7 +25,10 @@ HUB_ROWS = {
     # hub's files have: openai/gsm8k (config main), DAPO-Math-17k in verl's layout, and the AIME 2024
     # set Megatron-RL evaluates on. A new hub dataset in an example needs its stand-in here.
     "openai/gsm8k": lambda: [
-        {"question": f"Ann has {a} apples and buys {a} more. How many now?", "answer": f"{a} + {a} = {2 * a}\n#### {2 * a}"}
+        {
+            "question": f"Ann has {a} apples and buys {a} more. How many now?",
+            "answer": f"{a} + {a} = {2 * a}\n#### {2 * a}",
+        }
         for a in range(80)
     ],
     "BytedTsinghua-SIA/DAPO-Math-17k": lambda: [
@@ -38,7 +42,8 @@ HUB_ROWS = {
         for a in range(1100)
     ],
     "Maxwell-Jia/AIME_2024": lambda: [
-        {"ID": f"2024-I-{i}", "Problem": f"Find {i} + {i}.", "Solution": "Add.", "Answer": 2 * i} for i in range(1, 31)
+        {"ID": f"2024-I-{i}", "Problem": f"Find {i} + {i}.", "Solution": "Add.", "Answer": 2 * i}
+        for i in range(1, 31)
     ],
 }
 
@@ -108,7 +113,10 @@ def test_the_dapo_example_scores_the_last_answer_line(monkeypatch):
     (agent,) = build_agents(load_config(ROOT / "examples" / "dapo_math.yaml").environments).agents
     assert agent.layout == "verl"
     problem = agent.eval_problems[0]
-    for text, score in ((f"So it is {problem.answer}.\nAnswer: {problem.answer}", 1.0), ("Answer: nothing", 0.0)):
+    for text, score in (
+        (f"So it is {problem.answer}.\nAnswer: {problem.answer}", 1.0),
+        ("Answer: nothing", 0.0),
+    ):
         response = InferenceResponse(text=text, prompt_token_ids=[1], token_ids=[2], finish_reason="stop")
         assert agent.reward(response, problem).value == score
 
@@ -145,7 +153,9 @@ def test_the_plugin_in_docs_agents_md_works(monkeypatch):
     from llmrl.config import config_from_dict
 
     monkeypatch.setattr(registry, "_agents", dict(registry._agents))
-    python, config_yaml = re.findall(r"```(?:python|yaml)\n(.*?)```", (ROOT / "docs" / "agents.md").read_text(), re.S)[:2]
+    python, config_yaml = re.findall(
+        r"```(?:python|yaml)\n(.*?)```", (ROOT / "docs" / "agents.md").read_text(), re.S
+    )[:2]
     exec(compile(python, "docs/agents.md", "exec"), {})
     data = yaml.safe_load(config_yaml)
     assert data.pop("plugins") == ["my_envs"]

@@ -1,4 +1,5 @@
-"""WeightedMultiTask: the allocation table, isolation of broken agents, dynamic sampling, building from config."""
+"""WeightedMultiTask: the allocation table, isolation of broken agents, dynamic sampling, building from
+config."""
 
 import asyncio
 import warnings
@@ -42,7 +43,9 @@ def test_allocation_table(weights, num_groups, expected, warns):
 
 
 def test_more_environments_than_groups_is_an_error():
-    with pytest.raises(ValueError, match="3 environments have a positive weight but a step has only 2 groups"):
+    with pytest.raises(
+        ValueError, match="3 environments have a positive weight but a step has only 2 groups"
+    ):
         WeightedMultiTask(agents("a", "b", "c"), [1, 1, 1]).allocation(2)
 
 
@@ -86,7 +89,9 @@ def test_a_broken_agent_gives_placeholder_groups_and_the_batch_goes_on():
     groups = run(multi.group_rollouts(inference, 4, 2))
     bad = [g for g in groups if g.rollouts[0].env_id == "bad"]
     assert len(groups) == 4 and len(bad) == 2
-    assert all(r.status == "placeholder" and "env server down" in r.failure_reason for g in bad for r in g.rollouts)
+    assert all(
+        r.status == "placeholder" and "env server down" in r.failure_reason for g in bad for r in g.rollouts
+    )
     assert len({g.group_id for g in groups}) == 4
     metrics = multi.pop_metrics()
     assert metrics["bad/placeholders"] == 4 and metrics["bad/failures/group_rollouts"] == 1
@@ -102,16 +107,25 @@ def test_dynamic_sampling_replaces_zero_signal_groups_within_the_bound():
 
     inference = ScriptedInference(reply)
     multi = WeightedMultiTask(
-        [EchoAgent(num_problems=10, env_id="e", eval_size=0)], [1], dynamic_sampling=True, max_resample_rounds=20
+        [EchoAgent(num_problems=10, env_id="e", eval_size=0)],
+        [1],
+        dynamic_sampling=True,
+        max_resample_rounds=20,
     )
     groups = run(multi.group_rollouts(inference, 3, 2))
     assert len(groups) == 3
     assert all(sorted(g.rewards) == [0.0, 1.0] for g in groups)
     metrics = multi.pop_metrics()
-    assert metrics["e/dynamic_sampling/dropped_groups"] >= 1 and metrics["e/dynamic_sampling/zero_signal_kept"] == 0
+    assert (
+        metrics["e/dynamic_sampling/dropped_groups"] >= 1
+        and metrics["e/dynamic_sampling/zero_signal_kept"] == 0
+    )
 
     bounded = WeightedMultiTask(
-        [EchoAgent(num_problems=10, env_id="e", eval_size=0)], [1], dynamic_sampling=True, max_resample_rounds=0
+        [EchoAgent(num_problems=10, env_id="e", eval_size=0)],
+        [1],
+        dynamic_sampling=True,
+        max_resample_rounds=0,
     )
     groups = run(bounded.group_rollouts(ScriptedInference("wrong"), 3, 2))
     assert len(groups) == 3  # nothing has signal: after 0 rounds the dropped groups fill the batch
@@ -138,7 +152,9 @@ def echo_registered(monkeypatch):
 def test_build_agents_from_config(echo_registered):
     environments = [
         EnvironmentConfig(agent_type="echo", agent_args={"num_problems": 12, "eval_size": 2}, weight=2),
-        EnvironmentConfig(agent_type="echo", env_id="echo_eval", agent_args={"eval_size": 3}, evaluation_only=True),
+        EnvironmentConfig(
+            agent_type="echo", env_id="echo_eval", agent_args={"eval_size": 3}, evaluation_only=True
+        ),
     ]
     multi = build_agents(environments, seed=4, dynamic_sampling=True)
     first, second = multi.agents
@@ -150,10 +166,16 @@ def test_build_agents_from_config(echo_registered):
 @pytest.mark.parametrize(
     "agent_args, message",
     [
-        ({"num_problem": 3}, r"environment 'echo': unknown agent_args \['num_problem'\] for 'echo'; valid: .*num_problems"),
+        (
+            {"num_problem": 3},
+            r"environment 'echo': unknown agent_args \['num_problem'\] for 'echo'; valid: .*num_problems",
+        ),
         ({"env_id": "x"}, r"environment 'echo': agent_args must not set \['env_id'\]"),
         ({"max_turns": 0}, r"environment 'echo' \(echo\): max_turns must be >= 1"),
-        ({"generation_args": {"max_tokens": -1}}, r"environment 'echo' \(echo\): generation_args.max_tokens: Input should be greater than or equal to 1"),
+        (
+            {"generation_args": {"max_tokens": -1}},
+            r"environment 'echo' \(echo\): generation_args.max_tokens: Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_agent_args_name_the_environment_and_argument(echo_registered, agent_args, message):

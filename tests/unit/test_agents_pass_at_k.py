@@ -71,7 +71,9 @@ def test_correct_threshold_decides_what_counts():
 
     half = HalfReward(num_problems=10, eval_size=2)
     inference = ScriptedInference("x")
-    strict = evaluation_metrics(asyncio.run(PassAtKAgent(half, n=2, ks=[1], greedy=False).evaluate(inference, 2)))
+    strict = evaluation_metrics(
+        asyncio.run(PassAtKAgent(half, n=2, ks=[1], greedy=False).evaluate(inference, 2))
+    )
     lenient = asyncio.run(
         PassAtKAgent(half, n=2, ks=[1], greedy=False, correct_threshold=0.5).evaluate(inference, 2)
     )
@@ -90,8 +92,12 @@ def test_evaluation_metrics():
         env_id="e",
         ks=[1, 2, 8],
         results=[
-            EvaluationResult(problem_id="a", prompt="x", completions=["1"] * 4, rewards=[1, 0, 1, 0], greedy_reward=1.0),
-            EvaluationResult(problem_id="b", prompt="y", completions=["1"] * 4, rewards=[0, 0, 0, 0.5], greedy_reward=0),
+            EvaluationResult(
+                problem_id="a", prompt="x", completions=["1"] * 4, rewards=[1, 0, 1, 0], greedy_reward=1.0
+            ),
+            EvaluationResult(
+                problem_id="b", prompt="y", completions=["1"] * 4, rewards=[0, 0, 0, 0.5], greedy_reward=0
+            ),
         ],
     )
     metrics = evaluation_metrics(response)

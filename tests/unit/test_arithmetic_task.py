@@ -44,7 +44,10 @@ def test_operands_have_exactly_the_requested_digits(digits, low, high):
     problems = take(300, digits=digits)
     assert all(low <= p.a <= high and low <= p.b <= high for p in problems)
     # The whole range is used, not a corner of it.
-    assert min(p.a for p in problems) < low + (high - low) // 4 and max(p.a for p in problems) > high - (high - low) // 4
+    assert (
+        min(p.a for p in problems) < low + (high - low) // 4
+        and max(p.a for p in problems) > high - (high - low) // 4
+    )
 
 
 def test_answers_are_right_for_both_ops():
@@ -129,4 +132,3 @@ def test_prompt_is_short_and_a_single_user_turn():
 )
 def test_score_reads_the_first_integer(completion, reward):
     assert score(completion, ArithmeticProblem.of(23, "+", 45)) == reward
-

@@ -72,8 +72,19 @@ def test_a_run_that_cannot_fit_is_refused_before_any_weights_load(tmp_path, caps
     """The memory plan: a micro-batch far beyond the machine's memory stops `llmrl train` with the
     plan and what would fit, and nothing is written to the run folder."""
     run_dir = tmp_path / "run"
-    code = main(["train", "--set", f"run_dir={run_dir}", "--set", "training.micro_batch_tokens=100000000",
-                 "--set", "training.pack_row_tokens=512", "--set", "logging.progress=off"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--set",
+            f"run_dir={run_dir}",
+            "--set",
+            "training.micro_batch_tokens=100000000",
+            "--set",
+            "training.pack_row_tokens=512",
+            "--set",
+            "logging.progress=off",
+        ]
+    )
     assert code == EXIT_USAGE
     error = capsys.readouterr().err
     assert re.search(r"per rank but (cpu|cuda) has", error) and "activations" in error

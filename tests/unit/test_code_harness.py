@@ -49,7 +49,7 @@ ATTACKS = {
     ),
     "monkey-patch the runner, json and builtins": (
         "import builtins, gc, json, types\n"
-        "json.dumps = lambda *a, **k: '{\"test\": 0, \"passed\": true, \"error\": null}'\n"
+        'json.dumps = lambda *a, **k: \'{"test": 0, "passed": true, "error": null}\'\n'
         "builtins.AssertionError = type('Never', (Exception,), {})\n"
         "for o in gc.get_objects():\n"
         "    if isinstance(o, types.FunctionType) and o.__name__ in ('main', '_send', 'encode', 'decode'):\n"
@@ -101,7 +101,9 @@ def test_an_object_without_a_plain_value_has_no_truth_value():
 
 def test_the_report_cannot_be_forged_through_printed_test_values():
     # A test that prints what the solution returned: the text goes to stderr, not into the report.
-    reward, _ = fraction_passed(f"def add(a, b):\n    return '{FORGED}'", ["print(add(1, 2))\nassert False"] * 3)
+    reward, _ = fraction_passed(
+        f"def add(a, b):\n    return '{FORGED}'", ["print(add(1, 2))\nassert False"] * 3
+    )
     assert reward == 0
 
 
@@ -132,14 +134,29 @@ def test_code_agent_reward_uses_the_harness():
     problem = Problem("add", "Write add(a, b).", {"tests": TESTS, "setup": ""})
     response = InferenceResponse(
         text=f"```python\n{ATTACKS['return an object equal to everything']}\n```",
-        prompt_token_ids=[1], token_ids=[2], finish_reason="stop",
-    )  # fmt: skip
+        prompt_token_ids=[1],
+        token_ids=[2],
+        finish_reason="stop",
+    )
     assert agent.reward(response, problem) == 0.0
 
 
 @pytest.mark.parametrize(
     "value",
-    [None, True, 3, -2.5, float("inf"), "s", b"\x00", 1 + 2j, [1, (2, 3)], {"a": {1, 2}}, frozenset({1}), {(1, 2): [b"x"]}],
+    [
+        None,
+        True,
+        3,
+        -2.5,
+        float("inf"),
+        "s",
+        b"\x00",
+        1 + 2j,
+        [1, (2, 3)],
+        {"a": {1, 2}},
+        frozenset({1}),
+        {(1, 2): [b"x"]},
+    ],
 )
 def test_plain_values_round_trip_exactly(value):
     def no_handles(_):
@@ -150,7 +167,14 @@ def test_plain_values_round_trip_exactly(value):
 
 
 @pytest.mark.parametrize(
-    "data", [{"tuple": [1], "list": []}, {"module": "os.path"} | {"x": 1}, {"module": "llmrl"}, {"complex": [1, 2]}, {"set": [[1]]}]
+    "data",
+    [
+        {"tuple": [1], "list": []},
+        {"module": "os.path"} | {"x": 1},
+        {"module": "llmrl"},
+        {"complex": [1, 2]},
+        {"set": [[1]]},
+    ],
 )
 def test_malformed_answers_are_refused(data):
     with pytest.raises((ValueError, TypeError)):

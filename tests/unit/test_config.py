@@ -100,7 +100,9 @@ def test_wrong_type_names_path_and_file(tmp_path):
 
 
 def test_override_with_wrong_type_names_path():
-    with pytest.raises(ConfigError, match=r"^training\.steps: expected an integer, got 'many' \(in built-in demo"):
+    with pytest.raises(
+        ConfigError, match=r"^training\.steps: expected an integer, got 'many' \(in built-in demo"
+    ):
         load_config(None, ["training.steps=many"])
 
 
@@ -132,7 +134,9 @@ def test_bad_nested_list_entry_is_located(tmp_path):
 
 
 def test_literal_field_lists_choices():
-    with pytest.raises(ConfigError, match=r"algorithm\.advantage_estimator: expected one of 'grpo', 'dr_grpo' or 'rloo'"):
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.advantage_estimator: expected one of 'grpo', 'dr_grpo' or 'rloo'"
+    ):
         load_config(None, ["algorithm.advantage_estimator=ppo"])
 
 
@@ -142,7 +146,9 @@ def test_missing_environments_is_reported():
 
 
 def test_cross_field_checks():
-    with pytest.raises(ConfigError, match=r"evaluation\.ks: every k must be in 1\.\.samples_per_prompt \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"evaluation\.ks: every k must be in 1\.\.samples_per_prompt \(4\)"
+    ):
         load_config(None, ["evaluation.samples_per_prompt=4", "evaluation.ks=[1, 8]"])
     with pytest.raises(ConfigError, match="env ids must be unique"):
         config_from_dict({"environments": [{"agent_type": "arithmetic"}, {"agent_type": "arithmetic"}]})
@@ -184,22 +190,35 @@ def test_configuration_reference_is_up_to_date():
     from llmrl.config import reference_markdown
 
     doc = Path(__file__).parents[2] / "docs" / "configuration.md"
-    assert doc.read_text() == reference_markdown(), "regenerate: python -m llmrl.config > docs/configuration.md"
+    assert doc.read_text() == reference_markdown(), (
+        "regenerate: python -m llmrl.config > docs/configuration.md"
+    )
 
 
 @pytest.mark.parametrize(
     ("generation_args", "evaluation_only", "message"),
     [
-        ({"repetition_penalty": 1.2}, False, r"environments\[0\] \(arithmetic\): \{'repetition_penalty': 1.2\} change"),
+        (
+            {"repetition_penalty": 1.2},
+            False,
+            r"environments\[0\] \(arithmetic\): \{'repetition_penalty': 1.2\} change",
+        ),
         ({"min_tokens": 3, "presence_penalty": 0.5}, False, "'presence_penalty': 0.5, 'min_tokens': 3"),
         ({"temperature": 0}, False, "temperature 0"),
         ({"repetition_penalty": 1.2}, True, None),
         ({"temperature": 0.6, "top_k": 20, "min_p": 0.05}, False, None),
     ],
 )
-def test_trained_environments_may_only_use_sampling_options_the_trainer_follows(generation_args, evaluation_only, message):
-    environments = [{"agent_type": "arithmetic", "evaluation_only": evaluation_only,
-                     "agent_args": {"generation_args": generation_args}}]
+def test_trained_environments_may_only_use_sampling_options_the_trainer_follows(
+    generation_args, evaluation_only, message
+):
+    environments = [
+        {
+            "agent_type": "arithmetic",
+            "evaluation_only": evaluation_only,
+            "agent_args": {"generation_args": generation_args},
+        }
+    ]
     if evaluation_only:
         environments.append({"agent_type": "countdown"})
     if message is None:
@@ -213,8 +232,10 @@ def test_a_saved_config_with_the_old_vllm_bucket_setting_loads_as_the_one_bucket
     from llmrl.config import load_config
 
     saved = tmp_path / "config.yaml"
-    saved.write_text("environments: [{agent_type: arithmetic}]\n"
-                     "inference: {weight_sync_bucket_mb: 512, vllm: {transport: http, bucket_mb: 64}}\n")  # fmt: skip
+    saved.write_text(
+        "environments: [{agent_type: arithmetic}]\n"
+        "inference: {weight_sync_bucket_mb: 512, vllm: {transport: http, bucket_mb: 64}}\n"
+    )
     with caplog.at_level("WARNING"):
         config = load_config(saved)
     assert config.inference.weight_sync_bucket_mb == 64  # the smaller: every bound the run had still holds

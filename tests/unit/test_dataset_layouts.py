@@ -19,7 +19,10 @@ from llmrl.trainer.rollouts import rollout_metrics
 from llmrl.types import ChatMessage, InferenceResponse
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "layouts"
-VERL = {"data_files": str(FIXTURES / "verl_train.parquet"), "eval_data_files": str(FIXTURES / "verl_test.parquet")}
+VERL = {
+    "data_files": str(FIXTURES / "verl_train.parquet"),
+    "eval_data_files": str(FIXTURES / "verl_test.parquet"),
+}
 TRL = {"data_files": str(FIXTURES / "trl_train.jsonl"), "eval_data_files": str(FIXTURES / "trl_test.jsonl")}
 
 
@@ -40,8 +43,11 @@ def answer_sums(prompt, i):
 
 
 def rollouts(agent, groups=4, group_size=2):
-    return [r for g in asyncio.run(agent.group_rollouts(ScriptedInference(answer_sums), groups, group_size))
-            for r in g.rollouts]
+    return [
+        r
+        for g in asyncio.run(agent.group_rollouts(ScriptedInference(answer_sums), groups, group_size))
+        for r in g.rollouts
+    ]
 
 
 def test_the_fixtures_are_what_write_fixtures_writes(monkeypatch):
@@ -49,7 +55,9 @@ def test_the_fixtures_are_what_write_fixtures_writes(monkeypatch):
     import write_fixtures
 
     for split in ("train", "test"):
-        assert load_rows(data_files=str(FIXTURES / f"verl_{split}.parquet")) == write_fixtures.verl_rows(split)
+        assert load_rows(data_files=str(FIXTURES / f"verl_{split}.parquet")) == write_fixtures.verl_rows(
+            split
+        )
         assert load_rows(data_files=str(FIXTURES / f"trl_{split}.jsonl")) == write_fixtures.trl_rows(split)
 
 
@@ -57,8 +65,10 @@ def test_verl_layout_is_detected_and_scored_by_data_source():
     agent = DatasetAgent(**VERL, system_prompt="Be brief.")
     assert agent.layout == "verl" and agent.answer_column == "reward_model.ground_truth"
     problem = agent.train_problems[0]
-    assert problem.prompt == [ChatMessage(role="system", content="Be brief."),
-                              ChatMessage(role="user", content="What is 47 + 12?")]
+    assert problem.prompt == [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="What is 47 + 12?"),
+    ]
     assert problem.answer == "59"
     scored = rollouts(agent)
     assert [r.reward for r in scored] == [1.0, 0.0] * 4  # default_compute_score routes "arithmetic"
@@ -67,8 +77,16 @@ def test_verl_layout_is_detected_and_scored_by_data_source():
 
 def test_conversational_layout_keeps_the_datas_own_system_message(tmp_path):
     path = tmp_path / "chat.jsonl"
-    rows = [{"prompt": [{"role": "system", "content": "Answer in digits."}, {"role": "user", "content": f"{i}+{i}?"}],
-             "answer": str(2 * i)} for i in range(10)]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer in digits."},
+                {"role": "user", "content": f"{i}+{i}?"},
+            ],
+            "answer": str(2 * i),
+        }
+        for i in range(10)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     agent = DatasetAgent(data_files=str(path), system_prompt="ignored: the data has one", eval_size=2)
     assert agent.layout == "conversational"
@@ -77,11 +95,17 @@ def test_conversational_layout_keeps_the_datas_own_system_message(tmp_path):
 
 
 def test_trl_reward_functions_from_a_plugin_with_weights_and_per_function_metrics(fixture_plugins):
-    agent = DatasetAgent(**TRL, env_id="sums", reward_functions=[
-        {"function": "arithmetic_rewards:correct_sum", "weight": 1.0},
-        {"function": "arithmetic_rewards:short_reply", "weight": 0.1},
-    ])
-    assert agent.layout == "conversational" and agent.answer_column is None  # no answer column: functions need none
+    agent = DatasetAgent(
+        **TRL,
+        env_id="sums",
+        reward_functions=[
+            {"function": "arithmetic_rewards:correct_sum", "weight": 1.0},
+            {"function": "arithmetic_rewards:short_reply", "weight": 0.1},
+        ],
+    )
+    assert (
+        agent.layout == "conversational" and agent.answer_column is None
+    )  # no answer column: functions need none
     scored = rollouts(agent)
     assert [r.reward for r in scored] == [1.1, 0.1] * 4
     assert scored[0].reward_components == {"correct_sum": 1.0, "short_reply": 1.0}
@@ -91,7 +115,9 @@ def test_trl_reward_functions_from_a_plugin_with_weights_and_per_function_metric
 
 
 def test_a_verl_file_with_a_trl_function_reading_a_struct_column(fixture_plugins):
-    agent = DatasetAgent(**VERL, reward_functions=[{"function": "arithmetic_rewards:correct_sum_from_reward_model"}])
+    agent = DatasetAgent(
+        **VERL, reward_functions=[{"function": "arithmetic_rewards:correct_sum_from_reward_model"}]
+    )
     assert [r.reward for r in rollouts(agent)] == [1.0, 0.0] * 4
 
 
@@ -101,7 +127,10 @@ def test_a_trl_function_using_math_verify_with_its_default_timeouts_works():
     from math_verify import parse, verify
 
     def accuracy(completions, solution, **kwargs):
-        return [float(verify(parse(s), parse(c[0]["content"]))) for c, s in zip(completions, solution, strict=True)]
+        return [
+            float(verify(parse(s), parse(c[0]["content"])))
+            for c, s in zip(completions, solution, strict=True)
+        ]
 
     agent = DatasetAgent(**TRL, reward_functions=[{"function": accuracy}])
     assert [r.reward for r in rollouts(agent)] == [1.0, 0.0] * 4
@@ -119,37 +148,74 @@ def test_a_raising_reward_function_makes_a_placeholder(tmp_path):
 
 def test_struct_paths_work_in_the_flat_layout_and_format_overrides_detection(tmp_path):
     path = tmp_path / "flat.parquet"
-    pandas.DataFrame([{"question": f"{i} + {i}?", "meta": {"gold": {"value": str(2 * i)}}, "data_source": "gsm8k"}
-                      for i in range(6)]).to_parquet(path)
-    agent = DatasetAgent(data_files=str(path), prompt_column="question", answer_column="meta.gold.value", eval_size=1)
-    assert agent.layout == "flat" and {p.answer for p in agent.train_problems} <= {"0", "2", "4", "6", "8", "10"}
+    pandas.DataFrame(
+        [
+            {"question": f"{i} + {i}?", "meta": {"gold": {"value": str(2 * i)}}, "data_source": "gsm8k"}
+            for i in range(6)
+        ]
+    ).to_parquet(path)
+    agent = DatasetAgent(
+        data_files=str(path), prompt_column="question", answer_column="meta.gold.value", eval_size=1
+    )
+    assert agent.layout == "flat" and {p.answer for p in agent.train_problems} <= {
+        "0",
+        "2",
+        "4",
+        "6",
+        "8",
+        "10",
+    }
     response = InferenceResponse(text="\\boxed{4}", prompt_token_ids=[1], token_ids=[2], finish_reason="stop")
     problem = next(p for p in agent.train_problems + agent.eval_problems if p.answer == "4")
     assert agent.reward(response, problem) == 1.0
-    scored = DatasetAgent(data_files=str(path), prompt_column="question", answer_column="meta.gold.value",
-                          eval_size=1, reward_functions=[{"function": "default_compute_score"}])
+    scored = DatasetAgent(
+        data_files=str(path),
+        prompt_column="question",
+        answer_column="meta.gold.value",
+        eval_size=1,
+        reward_functions=[{"function": "default_compute_score"}],
+    )
     assert scored.reward(response, problem).value == 1.0  # data_source gsm8k: llmrl's math reward
-    with pytest.raises(ValueError, match=r"flat\.parquet: prompt_column='question' holds str '0 \+ 0\?'; the "
-                                         r"conversational layout needs a non-empty list of \{role, content\} messages"):
-        DatasetAgent(data_files=str(path), prompt_column="question", answer_column="meta.gold.value",
-                     format="conversational", eval_size=1)
+    with pytest.raises(
+        ValueError,
+        match=r"flat\.parquet: prompt_column='question' holds str '0 \+ 0\?'; the "
+        r"conversational layout needs a non-empty list of \{role, content\} messages",
+    ):
+        DatasetAgent(
+            data_files=str(path),
+            prompt_column="question",
+            answer_column="meta.gold.value",
+            format="conversational",
+            eval_size=1,
+        )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"answer_column": "reward_model.answer"},
-         r"verl_train\.parquet: answer_column='reward_model\.answer': the struct 'reward_model' has no field "
-         r"'answer', only \['style', 'ground_truth'\]; the data's columns are \['data_source', 'prompt', 'ability', "
-         r"'reward_model', 'extra_info'\]"),
-        ({"answer_column": "ability.name"},
-         r"answer_column='ability\.name': 'ability' holds str 'math', not a struct"),
-        ({"prompt_column": "question"},
-         r"verl_train\.parquet: prompt_column='question': not a column; the data's columns are \['data_source'"),
-        ({"prompt_template": "Solve: {prompt}"}, r"prompts are chat messages \(verl layout\).*prompt_template"),
+        (
+            {"answer_column": "reward_model.answer"},
+            r"verl_train\.parquet: answer_column='reward_model\.answer': the struct 'reward_model' has no field "
+            r"'answer', only \['style', 'ground_truth'\]; the data's columns are \['data_source', 'prompt', 'ability', "
+            r"'reward_model', 'extra_info'\]",
+        ),
+        (
+            {"answer_column": "ability.name"},
+            r"answer_column='ability\.name': 'ability' holds str 'math', not a struct",
+        ),
+        (
+            {"prompt_column": "question"},
+            r"verl_train\.parquet: prompt_column='question': not a column; the data's columns are \['data_source'",
+        ),
+        (
+            {"prompt_template": "Solve: {prompt}"},
+            r"prompts are chat messages \(verl layout\).*prompt_template",
+        ),
         ({"format": "yaml"}, r"format: expected one of \['auto', 'flat', 'conversational', 'verl'\]"),
-        ({"reward_functions": [{"function": lambda completions, solution: [1.0]}]},
-         r"needs the column\(s\) \['solution'\], which the data lacks; its columns are \['data_source'"),
+        (
+            {"reward_functions": [{"function": lambda completions, solution: [1.0]}]},
+            r"needs the column\(s\) \['solution'\], which the data lacks; its columns are \['data_source'",
+        ),
     ],
 )
 def test_errors_name_the_file_the_column_and_what_was_found(kwargs, message):
@@ -159,10 +225,17 @@ def test_errors_name_the_file_the_column_and_what_was_found(kwargs, message):
 
 def test_prompts_that_are_not_messages_name_the_row(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}) + "\n"
-                    + json.dumps({"prompt": [{"role": "wizard", "content": "hi"}], "answer": "1"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"})
+        + "\n"
+        + json.dumps({"prompt": [{"role": "wizard", "content": "hi"}], "answer": "1"})
+        + "\n"
+    )
     agent = DatasetAgent(data_files=str(path), eval_size=0)
-    with pytest.raises(ValueError, match=r"bad\.jsonl: row 1, column 'prompt': not chat messages \(role: Input should be .*wizard"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad\.jsonl: row 1, column 'prompt': not chat messages \(role: Input should be .*wizard",
+    ):
         agent.check_problems()
 
 

@@ -47,7 +47,12 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-PROMPTS = ["the quick brown fox", "12 + 35 =", "a", "jumps over the lazy dog and then the fox says 7 * 8 = 56"]
+PROMPTS = [
+    "the quick brown fox",
+    "12 + 35 =",
+    "a",
+    "jumps over the lazy dog and then the fox says 7 * 8 = 56",
+]
 LONG_PROMPT = " ".join(f"the fox counts {i} + {2 * i} = {3 * i}." for i in range(8))
 
 
@@ -78,14 +83,30 @@ def _build(family: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, initializer_range=0.2, eos_token_id=2, pad_token_id=0)
     if family == "qwen2":
-        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
-                             **common)
+        config = Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=CONTEXT,
+            tie_word_embeddings=True,
+            **common,
+        )
         return Qwen2ForCausalLM(config).eval()
     if family == "llama":  # biases everywhere, one kv head, untied head: the other corners of the family
-        config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=1, max_position_embeddings=CONTEXT, attention_bias=True,
-                             mlp_bias=True, tie_word_embeddings=False, **common)
+        config = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=CONTEXT,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            **common,
+        )
         model = LlamaForCausalLM(config).eval()
         with torch.no_grad():  # biases start at zero; make them matter
             for name, param in model.named_parameters():
@@ -122,8 +143,13 @@ async def _gather(engine: LocalEngine, requests: list[InferenceRequest], return_
     return await asyncio.gather(*(engine.agenerate(r) for r in requests), return_exceptions=return_exceptions)
 
 
-def _teacher_forced(model, prompt_ids: list[int], completion: list[int], temperature: float,
-                    args: GenerationArgs | None = None) -> torch.Tensor:
+def _teacher_forced(
+    model,
+    prompt_ids: list[int],
+    completion: list[int],
+    temperature: float,
+    args: GenerationArgs | None = None,
+) -> torch.Tensor:
     """Logprobs of each completion token from one full forward pass, as the trainer takes them:
     log softmax(logits / T), renormalised over what `args`' min-p/top-k/top-p keep."""
     ids = torch.tensor([prompt_ids + completion])
@@ -146,11 +172,14 @@ def test_engine_is_an_inference_interface(qwen2, tokenizer):
 def test_built_from_config_through_the_registry(tokenizer, tmp_path):
     _build("qwen2", len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    engine = build_inference(InferenceConfig(max_concurrent=5, max_batch_tokens=999), ModelConfig(spec=str(tmp_path)),
-                             seed=3)
+    engine = build_inference(
+        InferenceConfig(max_concurrent=5, max_batch_tokens=999), ModelConfig(spec=str(tmp_path)), seed=3
+    )
     assert isinstance(engine, LocalEngine) and engine.uses_fast_path
     assert (engine.max_concurrent, engine.max_batch_tokens) == (5, 999)
-    (response,) = engine.generate(InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=4)))
+    (response,) = engine.generate(
+        InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=4))
+    )
     assert len(response.token_ids) <= 4
 
 
@@ -160,10 +189,14 @@ def test_greedy_matches_generate_token_for_token(served):
     model, tokenizer = served
     eos = tokenizer.eos_token_id
     engine = LocalEngine(model, tokenizer)
-    requests = [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=0.0, max_tokens=40))
-                for p in PROMPTS]
+    requests = [
+        InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=0.0, max_tokens=40))
+        for p in PROMPTS
+    ]
     chat = [ChatMessage(role="user", content="what is 12 + 35?")]
-    requests.append(InferenceRequest(prompt=chat, n=3, generation_args=GenerationArgs(temperature=0.0, max_tokens=30)))
+    requests.append(
+        InferenceRequest(prompt=chat, n=3, generation_args=GenerationArgs(temperature=0.0, max_tokens=30))
+    )
     results = asyncio.run(_gather(engine, requests))
     assert engine.uses_fast_path == (not isinstance(model, GPT2LMHeadModel))
     for request, responses in zip(requests, results, strict=True):
@@ -171,20 +204,29 @@ def test_greedy_matches_generate_token_for_token(served):
         if isinstance(request.prompt, str):
             assert prompt_ids == tokenizer(request.prompt)["input_ids"]
         else:
-            assert prompt_ids == tokenizer.apply_chat_template([m.model_dump() for m in chat],
-                                                               add_generation_prompt=True, return_dict=False)
+            assert prompt_ids == tokenizer.apply_chat_template(
+                [m.model_dump() for m in chat], add_generation_prompt=True, return_dict=False
+            )
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt_ids]), do_sample=False,
-                                      max_new_tokens=request.generation_args.max_tokens, eos_token_id=eos,
-                                      pad_token_id=tokenizer.pad_token_id)[0, len(prompt_ids):].tolist()
+            expected = model.generate(
+                torch.tensor([prompt_ids]),
+                do_sample=False,
+                max_new_tokens=request.generation_args.max_tokens,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt_ids) :].tolist()
         assert len(responses) == request.n
         for response in responses:
             assert response.token_ids == expected
             assert response.finish_reason == ("stop" if expected[-1] == eos else "length")
             assert response.text == tokenizer.decode(expected, skip_special_tokens=True)
             # Greedy reports the temperature-1 logprob of the chosen token.
-            torch.testing.assert_close(torch.tensor(response.logprobs),
-                                       _teacher_forced(model, prompt_ids, expected, 1.0), rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(response.logprobs),
+                _teacher_forced(model, prompt_ids, expected, 1.0),
+                rtol=0,
+                atol=1e-4,
+            )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -192,19 +234,24 @@ def test_logprobs_equal_teacher_forced_forward(served, temperature):
     model, tokenizer = served
     engine = LocalEngine(model, tokenizer)
     # Filters renormalise the distribution; the trainer's logprobs of a forward pass follow them.
-    args = [GenerationArgs(temperature=temperature, max_tokens=30, seed=1),
-            GenerationArgs(temperature=temperature, max_tokens=25, top_k=5, top_p=0.9, seed=2),
-            GenerationArgs(temperature=temperature, max_tokens=25, min_p=0.05, seed=3),
-            GenerationArgs(temperature=temperature, max_tokens=25, top_p=0.7, min_p=0.02, top_k=20, seed=4)]
-    requests = [InferenceRequest(prompt=p, n=3, generation_args=a) for p, a in zip(PROMPTS, args, strict=True)]
+    args = [
+        GenerationArgs(temperature=temperature, max_tokens=30, seed=1),
+        GenerationArgs(temperature=temperature, max_tokens=25, top_k=5, top_p=0.9, seed=2),
+        GenerationArgs(temperature=temperature, max_tokens=25, min_p=0.05, seed=3),
+        GenerationArgs(temperature=temperature, max_tokens=25, top_p=0.7, min_p=0.02, top_k=20, seed=4),
+    ]
+    requests = [
+        InferenceRequest(prompt=p, n=3, generation_args=a) for p, a in zip(PROMPTS, args, strict=True)
+    ]
     # A group long enough to keep one shared copy of its prompt (cascade attention on the fast path).
     requests.append(InferenceRequest(prompt=LONG_PROMPT, n=8, generation_args=args[0]))
     assert len(tokenizer(LONG_PROMPT)["input_ids"]) * 7 >= LlamaFamilyDecoder.SHARE_FROM
     for request, responses in zip(requests, asyncio.run(_gather(engine, requests)), strict=True):
         for response in responses:
             assert len(response.logprobs) == len(response.token_ids) > 0
-            expected = _teacher_forced(model, response.prompt_token_ids, response.token_ids, temperature,
-                                       request.generation_args)
+            expected = _teacher_forced(
+                model, response.prompt_token_ids, response.token_ids, temperature, request.generation_args
+            )
             assert (torch.tensor(response.logprobs) - expected).abs().max().item() < 1e-4
 
 
@@ -216,10 +263,12 @@ def test_penalised_logprobs_equal_a_forward_pass_with_the_same_penalties(fast_se
     model, tokenizer = fast_served
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     engine = LocalEngine(model, tokenizer, eos_token_ids=[eos])
-    args = GenerationArgs(temperature=0.8, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.7,
-                          min_tokens=6, seed=5)
-    request = InferenceRequest(prompt=[ChatMessage(role="user", content="What is 12 + 35?")], n=4,
-                               generation_args=args)
+    args = GenerationArgs(
+        temperature=0.8, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.7, min_tokens=6, seed=5
+    )
+    request = InferenceRequest(
+        prompt=[ChatMessage(role="user", content="What is 12 + 35?")], n=4, generation_args=args
+    )
     repetition = RepetitionPenaltyLogitsProcessor(args.repetition_penalty)
     for response in engine.generate(request):
         assert eos not in response.token_ids[: args.min_tokens]
@@ -229,7 +278,9 @@ def test_penalised_logprobs_equal_a_forward_pass_with_the_same_penalties(fast_se
         for j, token in enumerate(response.token_ids):
             context = ids[:, : len(response.prompt_token_ids) + j]
             scores = repetition(context, logits[j : j + 1].clone())[0]
-            scores[torch.tensor(sorted(set(response.token_ids[:j])), dtype=torch.long)] -= args.presence_penalty
+            scores[torch.tensor(sorted(set(response.token_ids[:j])), dtype=torch.long)] -= (
+                args.presence_penalty
+            )
             if j < args.min_tokens:
                 scores[eos] = -math.inf
             expected = torch.log_softmax(scores / args.temperature, dim=-1)[token].item()
@@ -240,10 +291,15 @@ def test_ignore_eos_goes_on_to_max_tokens(tiny_model):
     model, tokenizer = tiny_model
     engine = LocalEngine(model, tokenizer)
     prompt = [ChatMessage(role="user", content="What is 12 + 35?")]
-    (stopped,) = engine.generate(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(temperature=0)))
+    (stopped,) = engine.generate(
+        InferenceRequest(prompt=prompt, generation_args=GenerationArgs(temperature=0))
+    )
     assert stopped.finish_reason == "stop"
-    (going,) = engine.generate(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(
-        temperature=0, ignore_eos=True, max_tokens=12)))
+    (going,) = engine.generate(
+        InferenceRequest(
+            prompt=prompt, generation_args=GenerationArgs(temperature=0, ignore_eos=True, max_tokens=12)
+        )
+    )
     assert going.finish_reason == "length" and len(going.token_ids) == 12
     assert going.token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
@@ -251,11 +307,19 @@ def test_ignore_eos_goes_on_to_max_tokens(tiny_model):
 def test_chat_template_kwargs_reach_the_template(tokenizer, qwen2):
     templated = copy.deepcopy(tokenizer)
     templated.chat_template = CHATML.replace(
-        "{%- if add_generation_prompt %}", "{%- if add_generation_prompt %}{%- if not think %}{{- 'no ' }}{%- endif %}")
+        "{%- if add_generation_prompt %}",
+        "{%- if add_generation_prompt %}{%- if not think %}{{- 'no ' }}{%- endif %}",
+    )
     engine = LocalEngine(qwen2, templated)
     chat = [ChatMessage(role="user", content="a")]
-    plain, thinking = (engine.generate(InferenceRequest(prompt=chat, generation_args=GenerationArgs(
-        max_tokens=1, chat_template_kwargs=kwargs)))[0] for kwargs in (None, {"think": True}))
+    plain, thinking = (
+        engine.generate(
+            InferenceRequest(
+                prompt=chat, generation_args=GenerationArgs(max_tokens=1, chat_template_kwargs=kwargs)
+            )
+        )[0]
+        for kwargs in (None, {"think": True})
+    )
     assert templated.decode(plain.prompt_token_ids).endswith("no <|im_start|>assistant\n")
     assert templated.decode(thinking.prompt_token_ids).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
@@ -264,28 +328,39 @@ def test_chat_template_kwargs_reach_the_template(tokenizer, qwen2):
 def test_same_seed_same_tokens_alone_or_beside_30_others(fast_served):
     model, tokenizer = fast_served
     engine = LocalEngine(model, tokenizer, max_concurrent=64, eos_token_ids=())  # long completions
-    target = InferenceRequest(prompt="the lazy dog", n=2,
-                              generation_args=GenerationArgs(max_tokens=40, seed=1234, temperature=3.0))
+    target = InferenceRequest(
+        prompt="the lazy dog", n=2, generation_args=GenerationArgs(max_tokens=40, seed=1234, temperature=3.0)
+    )
     (alone,) = asyncio.run(_gather(engine, [target]))
     others = [
-        InferenceRequest(prompt=PROMPTS[i % 4] + " " * (i % 3), n=1 + i % 2,
-                         generation_args=GenerationArgs(temperature=0.5 + 0.1 * (i % 7), top_k=i % 4 * 10,
-                                                        max_tokens=10 + 3 * i, seed=i))
+        InferenceRequest(
+            prompt=PROMPTS[i % 4] + " " * (i % 3),
+            n=1 + i % 2,
+            generation_args=GenerationArgs(
+                temperature=0.5 + 0.1 * (i % 7), top_k=i % 4 * 10, max_tokens=10 + 3 * i, seed=i
+            ),
+        )
         for i in range(30)
     ]
     results = asyncio.run(_gather(engine, others[:15] + [target] + others[15:]))
     beside = results[15]
     assert [r.token_ids for r in beside] == [r.token_ids for r in alone]
     # Logits can differ in the last float bits between batch shapes (BLAS blocking), not more.
-    torch.testing.assert_close(torch.tensor([r.logprobs for r in beside]), torch.tensor([r.logprobs for r in alone]),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor([r.logprobs for r in beside]),
+        torch.tensor([r.logprobs for r in alone]),
+        rtol=0,
+        atol=1e-4,
+    )
     # The two samples of a request differ; sample 0 equals the n=1 request with that seed.
     assert alone[0].token_ids != alone[1].token_ids
     (single,) = engine.generate(target.model_copy(update={"n": 1}))
     assert single.token_ids == alone[0].token_ids
     # Unseeded requests differ from run to run. Both requests sample hot: the tiny model puts ~0.998 on
     # eos after eos, so at temperature 1 two samples can both be all eos.
-    unseeded = InferenceRequest(prompt="the lazy dog", generation_args=GenerationArgs(max_tokens=40, temperature=3.0))
+    unseeded = InferenceRequest(
+        prompt="the lazy dog", generation_args=GenerationArgs(max_tokens=40, temperature=3.0)
+    )
     assert engine.generate(unseeded)[0].token_ids != engine.generate(unseeded)[0].token_ids
 
 
@@ -294,8 +369,9 @@ def test_update_weights_serves_new_weights(fast_served, tmp_path):
     model = copy.deepcopy(served_model)  # the tiny model is shared by the session: update a copy
     old_model = copy.deepcopy(served_model)
     engine = LocalEngine(model, tokenizer, eos_token_ids=())
-    request = InferenceRequest(prompt="the quick", generation_args=GenerationArgs(temperature=0.7, max_tokens=20,
-                                                                                  seed=5))
+    request = InferenceRequest(
+        prompt="the quick", generation_args=GenerationArgs(temperature=0.7, max_tokens=20, seed=5)
+    )
     (before,) = engine.generate(request)
     assert before.policy_version == 0
     new_model = copy.deepcopy(served_model)
@@ -317,7 +393,9 @@ def test_update_weights_serves_new_weights(fast_served, tmp_path):
     # From a safetensors file, a subset of the parameters (one layer's MLP).
     from safetensors.torch import save_file
 
-    layer = {k: v.clone() * 3 for k, v in new_model.state_dict().items() if k.startswith("model.layers.0.mlp.")}
+    layer = {
+        k: v.clone() * 3 for k, v in new_model.state_dict().items() if k.startswith("model.layers.0.mlp.")
+    }
     save_file(layer, tmp_path / "update.safetensors")
     engine.update_weights(tmp_path / "update.safetensors", version=4)
     (third,) = engine.generate(request)
@@ -368,8 +446,11 @@ def test_update_weights_rejects_bad_state_dicts(qwen2, tokenizer, tmp_path):
 
 def _weight_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (meta placeholders hold none)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None and not t.is_meta}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t is not None and not t.is_meta
+    }
     return sum(storages.values())
 
 
@@ -378,8 +459,13 @@ def _engine_weight_bytes(engine: LocalEngine) -> int:
     tensors = list(engine.model.state_dict().values())
     if isinstance(engine._decoder, LlamaFamilyDecoder):
         weights = engine._decoder.weights
-        tensors += [weights.embed, weights.final_norm, weights.lm_head, weights.lm_head_bias,
-                    *(t for layer in weights.layers for t in layer)]
+        tensors += [
+            weights.embed,
+            weights.final_norm,
+            weights.lm_head,
+            weights.lm_head_bias,
+            *(t for layer in weights.layers for t in layer),
+        ]
     return _weight_bytes(tensors)
 
 
@@ -401,7 +487,8 @@ def test_an_engine_that_owns_its_model_holds_one_copy_of_its_weights(family, tok
         original = _build(family, len(tokenizer))
     one_copy = _weight_bytes(original.state_dict().values())
     assert _engine_weight_bytes(LocalEngine(copy.deepcopy(original), tokenizer)) > one_copy * (
-        family != "gpt2")  # a model the caller keeps: the fused copies come on top of it
+        family != "gpt2"
+    )  # a model the caller keeps: the fused copies come on top of it
     engine = LocalEngine(copy.deepcopy(original), tokenizer, owns_model=True)
     assert _engine_weight_bytes(engine) == one_copy
     released = {name for name, tensor in engine.model.state_dict().items() if tensor.is_meta}
@@ -412,10 +499,15 @@ def test_an_engine_that_owns_its_model_holds_one_copy_of_its_weights(family, tok
     with torch.no_grad():
         for param in new_model.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
-    engine.update_weights({k: v for k, v in new_model.state_dict().items() if k not in tied_duplicates(new_model)},
-                          version=1)
-    torch.testing.assert_close(_decoder_logits(engine), _decoder_logits(LocalEngine(copy.deepcopy(new_model),
-                                                                                    tokenizer)), rtol=0, atol=1e-6)
+    engine.update_weights(
+        {k: v for k, v in new_model.state_dict().items() if k not in tied_duplicates(new_model)}, version=1
+    )
+    torch.testing.assert_close(
+        _decoder_logits(engine),
+        _decoder_logits(LocalEngine(copy.deepcopy(new_model), tokenizer)),
+        rtol=0,
+        atol=1e-6,
+    )
 
     # A part of one layer, streamed in buckets: the q projection (and its bias where there is one)
     # and the gate projection; every other tensor keeps the full update's values.
@@ -425,8 +517,12 @@ def test_an_engine_that_owns_its_model_holds_one_copy_of_its_weights(family, tok
     assert any(k.endswith(".bias") for k in part)
     engine.update_weights(iter([{k: v} for k, v in part.items()]), version=2)
     new_model.load_state_dict(part, strict=False)
-    torch.testing.assert_close(_decoder_logits(engine), _decoder_logits(LocalEngine(copy.deepcopy(new_model),
-                                                                                    tokenizer)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        _decoder_logits(engine),
+        _decoder_logits(LocalEngine(copy.deepcopy(new_model), tokenizer)),
+        rtol=0,
+        atol=1e-6,
+    )
     assert _engine_weight_bytes(engine) == one_copy
 
     # Updates are still checked against the released tensors' shapes.
@@ -474,19 +570,28 @@ def test_weight_update_during_generation(tokenizer, mode, caller):
 
 def test_bad_requests_fail_alone(qwen2, tokenizer):
     engine = LocalEngine(qwen2, tokenizer)
-    plain_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    plain_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>"
+    )
     no_template = LocalEngine(qwen2, plain_tokenizer)
     good = InferenceRequest(prompt="the lazy dog", n=2, generation_args=GenerationArgs(max_tokens=12, seed=3))
     too_long = InferenceRequest(prompt="the fox " * 200)
     beyond = InferenceRequest(prompt="the fox", generation_args=GenerationArgs(max_tokens=CONTEXT))
     bad_stop = {"prompt": "the fox", "generation_args": {"stop": [7]}}
     unknown_field = {"prompt": "the fox", "generation_args": {"stop_sequences": ["x"]}}
-    out_of_vocab = InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=9, stop_token_ids=(10_000,)))
-    bad_prefix = InferenceRequest(prompt="fox", prompt_token_ids=[5, 4000], generation_args=GenerationArgs(max_tokens=9))
+    out_of_vocab = InferenceRequest(
+        prompt="fox", generation_args=GenerationArgs(max_tokens=9, stop_token_ids=(10_000,))
+    )
+    bad_prefix = InferenceRequest(
+        prompt="fox", prompt_token_ids=[5, 4000], generation_args=GenerationArgs(max_tokens=9)
+    )
 
     async def scenario():
-        results = await _gather(engine, [good, too_long, good, beyond, bad_stop, unknown_field, out_of_vocab, good,
-                                         bad_prefix], return_exceptions=True)
+        results = await _gather(
+            engine,
+            [good, too_long, good, beyond, bad_stop, unknown_field, out_of_vocab, good, bad_prefix],
+            return_exceptions=True,
+        )
         chat = InferenceRequest(prompt=[ChatMessage(role="user", content="hi")])
         results.append(*(await _gather(no_template, [chat], return_exceptions=True)))
         return results
@@ -537,25 +642,36 @@ def test_stops(qwen2, tokenizer):
     # Stop token id: ends at its first occurrence, the token kept.
     stop_id = full.token_ids[5]
     first = full.token_ids.index(stop_id)
-    (by_id,) = engine.generate(InferenceRequest(
-        prompt="the quick", generation_args=greedy.model_copy(update={"stop_token_ids": (stop_id,)})))
+    (by_id,) = engine.generate(
+        InferenceRequest(
+            prompt="the quick", generation_args=greedy.model_copy(update={"stop_token_ids": (stop_id,)})
+        )
+    )
     assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: first + 1]
 
     # Stop string: text cut before it; token ids keep every sampled token up to the one completing it.
     stop = full.text[20:23]
     start = full.text.index(stop)
-    (by_text,) = engine.generate(InferenceRequest(
-        prompt="the quick", generation_args=greedy.model_copy(update={"stop": ("not there", stop)})))
+    (by_text,) = engine.generate(
+        InferenceRequest(
+            prompt="the quick", generation_args=greedy.model_copy(update={"stop": ("not there", stop)})
+        )
+    )
     assert by_text.finish_reason == "stop"
     assert by_text.text == full.text[:start]
     assert by_text.token_ids == full.token_ids[: len(by_text.token_ids)]
-    assert stop in tokenizer.decode(by_text.token_ids) and stop not in tokenizer.decode(by_text.token_ids[:-1])
+    assert stop in tokenizer.decode(by_text.token_ids) and stop not in tokenizer.decode(
+        by_text.token_ids[:-1]
+    )
 
     # Eos: with the default eos ids, <|im_end|> stops and is left out of the text.
     with_eos = LocalEngine(qwen2, tokenizer)
     eos = tokenizer.eos_token_id
-    (response,) = with_eos.generate(InferenceRequest(
-        prompt="the quick", generation_args=greedy.model_copy(update={"stop_token_ids": (stop_id,)})))
+    (response,) = with_eos.generate(
+        InferenceRequest(
+            prompt="the quick", generation_args=greedy.model_copy(update={"stop_token_ids": (stop_id,)})
+        )
+    )
     assert response.token_ids[-1] in (eos, stop_id)
     assert "<|im_end|>" not in response.text
 
@@ -567,14 +683,21 @@ def test_follow_up_turn_continues_prompt_token_ids(qwen2, tokenizer):
     (first,) = engine.generate(InferenceRequest(prompt=first_turn, generation_args=args))
     prefix = first.prompt_token_ids + first.token_ids + [tokenizer.eos_token_id]
     follow = [ChatMessage(role="user", content="and 1 + 1?")]
-    (second,) = engine.generate(InferenceRequest(prompt=follow, prompt_token_ids=prefix, generation_args=args))
+    (second,) = engine.generate(
+        InferenceRequest(prompt=follow, prompt_token_ids=prefix, generation_args=args)
+    )
     # The same ids as rendering the whole conversation with the template (the model's eos ends turn 1).
-    conversation = [m.model_dump() for m in first_turn] + [
-        {"role": "assistant", "content": tokenizer.decode(first.token_ids)}] + [m.model_dump() for m in follow]
+    conversation = (
+        [m.model_dump() for m in first_turn]
+        + [{"role": "assistant", "content": tokenizer.decode(first.token_ids)}]
+        + [m.model_dump() for m in follow]
+    )
     rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(second.prompt_token_ids) == rendered
     assert second.prompt_token_ids[: len(prefix)] == prefix
-    (text_turn,) = engine.generate(InferenceRequest(prompt=" and", prompt_token_ids=[5, 6], generation_args=args))
+    (text_turn,) = engine.generate(
+        InferenceRequest(prompt=" and", prompt_token_ids=[5, 6], generation_args=args)
+    )
     assert text_turn.prompt_token_ids == [5, 6] + tokenizer(" and", add_special_tokens=False)["input_ids"]
 
 
@@ -615,8 +738,9 @@ def test_queued_requests_join_a_full_batch_in_bunches(qwen2, tokenizer, monkeypa
     lengths = [3 + (7 * i) % 20 for i in range(20)]
 
     async def scenario():
-        return await asyncio.gather(*(engine.agenerate(_long_request(n, PROMPTS[i % 4]))
-                                      for i, n in enumerate(lengths)))
+        return await asyncio.gather(
+            *(engine.agenerate(_long_request(n, PROMPTS[i % 4])) for i, n in enumerate(lengths))
+        )
 
     results = asyncio.run(scenario())
     assert [len(r[0].token_ids) for r in results] == lengths
@@ -667,8 +791,10 @@ def test_sync_generate_from_threads(qwen2, tokenizer):
     engine = LocalEngine(qwen2, tokenizer)
     request = InferenceRequest(prompt="fox", generation_args=GenerationArgs(max_tokens=15, seed=9))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(engine.generate(request)[0].token_ids))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(engine.generate(request)[0].token_ids))
+        for _ in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

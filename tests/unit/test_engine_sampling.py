@@ -57,8 +57,17 @@ def _empirical(logits: torch.Tensor, args: GenerationArgs, draws: int = 20_000) 
 
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "min_p"),
-    [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 3, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.8, 5, 0.6, 0.0),
-     (1.0, 1, 1.0, 0.0), (2.0, 4, 0.95, 0.0), (1.0, 0, 1.0, 0.1), (1.2, 6, 0.9, 0.05)],
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 1.0, 0.0),
+        (1.3, 3, 1.0, 0.0),
+        (1.0, 0, 0.8, 0.0),
+        (0.8, 5, 0.6, 0.0),
+        (1.0, 1, 1.0, 0.0),
+        (2.0, 4, 0.95, 0.0),
+        (1.0, 0, 1.0, 0.1),
+        (1.2, 6, 0.9, 0.05),
+    ],
 )
 def test_sampled_frequencies_match_reference(temperature, top_k, top_p, min_p):
     logits = torch.randn(11, generator=torch.Generator().manual_seed(3)) * 2
@@ -83,7 +92,9 @@ def test_logprobs_describe_the_distribution_sampled_from_and_greedy_reports_temp
     assert tokens[0] == logits[0].argmax()
     assert abs(logprobs[0].item() - torch.log_softmax(logits[0], dim=-1)[tokens[0]].item()) < 1e-6
     for row, a in enumerate(args[1:], start=1):
-        expected = reference_distribution(logits[row], a.temperature, a.top_k, a.top_p, a.min_p)[tokens[row]].log()
+        expected = reference_distribution(logits[row], a.temperature, a.top_k, a.top_p, a.min_p)[
+            tokens[row]
+        ].log()
         assert abs(logprobs[row].item() - expected.item()) < 1e-6
     assert tokens[1] in logits[1].topk(3).indices
 
@@ -106,11 +117,19 @@ def test_a_row_draws_the_same_token_whatever_its_neighbours_do():
     plain = GenerationArgs(temperature=0.9)
     for u in torch.linspace(0.001, 0.999, 37):
         (alone,), _ = sample_tokens(logits, row_sampling([plain], 40, "cpu"), u[None])
-        neighbours = [GenerationArgs(top_k=2), plain, GenerationArgs(temperature=0.0), GenerationArgs(top_p=0.3)]
-        batch_logits = torch.cat([torch.randn(1, 40, generator=generator), logits,
-                                  torch.randn(2, 40, generator=generator)])  # row 1 is ours
+        neighbours = [
+            GenerationArgs(top_k=2),
+            plain,
+            GenerationArgs(temperature=0.0),
+            GenerationArgs(top_p=0.3),
+        ]
+        batch_logits = torch.cat(
+            [torch.randn(1, 40, generator=generator), logits, torch.randn(2, 40, generator=generator)]
+        )  # row 1 is ours
         rows = row_sampling(neighbours, 40, "cpu")
-        tokens, _ = sample_tokens(batch_logits, rows, torch.stack([torch.rand(()), u, torch.rand(()), torch.rand(())]))
+        tokens, _ = sample_tokens(
+            batch_logits, rows, torch.stack([torch.rand(()), u, torch.rand(()), torch.rand(())])
+        )
         assert tokens[1] == alone
 
 
@@ -118,8 +137,14 @@ def test_a_row_draws_the_same_token_whatever_its_neighbours_do():
 def test_partial_sort_filters_like_a_full_sort(spread, monkeypatch):
     vocab = 4 * sampling.PARTIAL_SORT
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * spread
-    args = [GenerationArgs(top_p=0.9), GenerationArgs(top_k=10), GenerationArgs(), GenerationArgs(top_k=100, top_p=0.5),
-            GenerationArgs(top_k=sampling.PARTIAL_SORT, top_p=0.99), GenerationArgs(temperature=0.0)]
+    args = [
+        GenerationArgs(top_p=0.9),
+        GenerationArgs(top_k=10),
+        GenerationArgs(),
+        GenerationArgs(top_k=100, top_p=0.5),
+        GenerationArgs(top_k=sampling.PARTIAL_SORT, top_p=0.99),
+        GenerationArgs(temperature=0.0),
+    ]
     rows = row_sampling(args, vocab, "cpu")
     probs = torch.softmax(logits, dim=-1)
     partial = sampling._top_k_top_p(probs, rows)
@@ -140,12 +165,16 @@ def test_uniform_rounding_to_one_never_draws_a_filtered_token():
 
 
 def test_row_sampling_turns_filters_off_at_their_neutral_values():
-    rows = row_sampling([GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=500, temperature=0.0)], 100, "cpu")
+    rows = row_sampling(
+        [GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=500, temperature=0.0)], 100, "cpu"
+    )
     assert not rows.any_filter and rows.any_greedy and not rows.all_greedy and rows.unit_temperature
     assert not row_sampling([GenerationArgs(temperature=0.5)], 100, "cpu").unit_temperature
     # Tensors that sampling will not read are not built.
     assert rows.top_k is None and rows.top_p is None and rows.temperature is None
     assert rows.greedy.tolist() == [False, True]
-    filtered = row_sampling([GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=5, temperature=0.5)], 100, "cpu")
+    filtered = row_sampling(
+        [GenerationArgs(top_k=0, top_p=1.0), GenerationArgs(top_k=5, temperature=0.5)], 100, "cpu"
+    )
     assert filtered.top_k.tolist() == [[100], [5]] and math.isinf(filtered.top_p[0, 0].item())
     assert filtered.temperature.tolist() == [[1.0], [0.5]] and filtered.greedy is None

@@ -135,7 +135,11 @@ def test_problem_order_is_the_same_in_identical_apps_even_under_concurrent_calls
 
     def one_by_one(app):
         body = rollouts_body(env_id="add2", num_groups=2)
-        return [pid for _ in range(3) for pid in problem_ids(call(app, "POST", "/v1/group_rollouts", json=body).json()["groups"])]  # fmt: skip
+        return [
+            pid
+            for _ in range(3)
+            for pid in problem_ids(call(app, "POST", "/v1/group_rollouts", json=body).json()["groups"])
+        ]
 
     first, second = make_app(), make_app()
     drawn_together = asyncio.run(concurrently(first))
@@ -165,16 +169,66 @@ def test_calls_to_one_environment_run_one_at_a_time_and_different_environments_o
     "path, body, status, message",
     [
         ("/v1/group_rollouts", b"{not json", 422, "JSON decode error"),
-        ("/v1/group_rollouts", rollouts_body(num_groups="many"), 422, "body.num_groups: Input should be a valid integer"),
-        ("/v1/group_rollouts", rollouts_body(num_groups=10**9), 422, "body.num_groups: Input should be less than or equal to 1024"),
-        ("/v1/group_rollouts", rollouts_body(group_size=-1), 422, "body.group_size: Input should be greater than or equal to 1"),
-        ("/v1/group_rollouts", rollouts_body(plugins=["os"]), 422, "body.plugins: Extra inputs are not permitted"),
-        ("/v1/group_rollouts", rollouts_body(agent_type="arithmetic"), 422, "body.agent_type: Extra inputs are not permitted"),
-        ("/v1/group_rollouts", rollouts_body(inference={"base_url": "file:///etc/passwd"}), 422, "body.inference.base_url"),
-        ("/v1/group_rollouts", rollouts_body(inference={"base_url": "http://u:pw@host/v1"}), 422, "must not contain credentials"),
-        ("/v1/group_rollouts", rollouts_body(generation_args={"temperature": -1}), 422, "body.generation_args.temperature"),
-        ("/v1/group_rollouts", rollouts_body(num_groups=1), 422, "num_groups=1 is fewer than the 2 training environments"),
-        ("/v1/group_rollouts", rollouts_body(env_id="nope"), 404, "unknown env_id 'nope'; this server has ['add2', 'arithmetic', 'held']"),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(num_groups="many"),
+            422,
+            "body.num_groups: Input should be a valid integer",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(num_groups=10**9),
+            422,
+            "body.num_groups: Input should be less than or equal to 1024",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(group_size=-1),
+            422,
+            "body.group_size: Input should be greater than or equal to 1",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(plugins=["os"]),
+            422,
+            "body.plugins: Extra inputs are not permitted",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(agent_type="arithmetic"),
+            422,
+            "body.agent_type: Extra inputs are not permitted",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(inference={"base_url": "file:///etc/passwd"}),
+            422,
+            "body.inference.base_url",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(inference={"base_url": "http://u:pw@host/v1"}),
+            422,
+            "must not contain credentials",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(generation_args={"temperature": -1}),
+            422,
+            "body.generation_args.temperature",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(num_groups=1),
+            422,
+            "num_groups=1 is fewer than the 2 training environments",
+        ),
+        (
+            "/v1/group_rollouts",
+            rollouts_body(env_id="nope"),
+            404,
+            "unknown env_id 'nope'; this server has ['add2', 'arithmetic', 'held']",
+        ),
         ("/v1/group_rollouts", rollouts_body(env_id="held"), 409, "'held' is evaluation-only"),
         ("/v1/evaluate", evaluate_body(ks=[1, 3]), 422, "ks must be in 1..samples_per_prompt (2), got [3]"),
         ("/v1/evaluate", evaluate_body(num_prompts=0), 422, "body.num_prompts"),
@@ -183,7 +237,7 @@ def test_calls_to_one_environment_run_one_at_a_time_and_different_environments_o
         ("/v1/state", {"state": {"add2": "x"}}, 422, "body.state.add2"),
         ("/v1/group_rollouts", b"x" * (2 << 20), 413, "over the limit"),
     ],
-)  # fmt: skip
+)
 def test_malformed_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(
     path, body, status, message
 ):
@@ -215,7 +269,11 @@ def test_an_unexpected_error_is_a_500_and_the_server_keeps_serving():
 
 def test_bearer_token_is_required_on_every_route_when_configured():
     app = make_app(api_key="s3cret")
-    for method, path, body in [("GET", "/v1/info", None), ("POST", "/v1/group_rollouts", rollouts_body()), ("GET", "/healthz", None)]:  # fmt: skip
+    for method, path, body in [
+        ("GET", "/v1/info", None),
+        ("POST", "/v1/group_rollouts", rollouts_body()),
+        ("GET", "/healthz", None),
+    ]:
         assert call(app, method, path, json=body).status_code == 401
         assert (
             call(app, method, path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -271,9 +329,15 @@ def test_serve_env_reports_config_errors_and_exits_2(tmp_path, capsys, monkeypat
 
 
 def test_the_inference_token_goes_only_to_allowlisted_urls():
-    factory = env_server.OpenAIEndpoints(api_key="tok", token_urls=["http://Inference.test:80/v1/"], timeout_s=5)
+    factory = env_server.OpenAIEndpoints(
+        api_key="tok", token_urls=["http://Inference.test:80/v1/"], timeout_s=5
+    )
     assert factory(env_server.InferenceEndpoint(base_url="http://inference.test:80"))._api_key == "tok"
-    for elsewhere in ("http://attacker.test/v1", "https://inference.test:80/v1", "http://inference.test:81/v1"):
+    for elsewhere in (
+        "http://attacker.test/v1",
+        "https://inference.test:80/v1",
+        "http://inference.test:81/v1",
+    ):
         assert factory(env_server.InferenceEndpoint(base_url=elsewhere))._api_key is None, elsewhere
 
 

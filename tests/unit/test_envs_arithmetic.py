@@ -1,4 +1,5 @@
-"""ArithmeticAgent: the built-in task's splits as an agent, its reward on hand-written answers, a real engine."""
+"""ArithmeticAgent: the built-in task's splits as an agent, its reward on hand-written answers, a real
+engine."""
 
 import asyncio
 

@@ -42,7 +42,10 @@ def fenced(code):
         (fenced("def add(a, b) return a + b"), 0.0),  # syntax error
         (fenced("import sys\nsys.exit(0)"), 0.0),  # exiting early does not pass the tests
         (fenced("import os\nos._exit(0)"), 0.0),
-        (fenced("print('\\n0000 0 pass\\n0000 1 pass\\n0000 2 pass')"), 0.0),  # printed text never reaches the report
+        (
+            fenced("print('\\n0000 0 pass\\n0000 1 pass\\n0000 2 pass')"),
+            0.0,
+        ),  # printed text never reaches the report
         (
             fenced("def add(a, b):\n    while a == 10:\n        pass\n    return a + b"),
             2 / 3,
@@ -108,5 +111,7 @@ def test_configuration_errors():
         CodeAgent(reward_mode="most")
     with pytest.raises(ValueError, match="memory_mb must be >= 64"):
         CodeAgent(memory_mb=1)
-    with pytest.raises(ValueError, match=r"mbpp_train.jsonl: setup_column='setup': not a column.*'test_setup_code'"):
+    with pytest.raises(
+        ValueError, match=r"mbpp_train.jsonl: setup_column='setup': not a column.*'test_setup_code'"
+    ):
         CodeAgent(setup_column="setup")

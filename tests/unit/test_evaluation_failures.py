@@ -1,4 +1,5 @@
-"""Evaluation never scores a failure as a wrong answer, and asks for more samples than a server's `n` cap in parts."""
+"""Evaluation never scores a failure as a wrong answer, and asks for more samples than a server's `n` cap in
+parts."""
 
 from __future__ import annotations
 
@@ -33,17 +34,23 @@ class CountingTransport(httpx.ASGITransport):
 def test_more_samples_than_the_servers_cap_are_asked_for_in_parts(tiny_model):
     """The reported case: samples_per_prompt 65 against a server capping n at 64 scored every sample 0."""
     model, tokenizer = tiny_model
-    transport = CountingTransport(create_inference_app(LocalEngine(copy.deepcopy(model), tokenizer), model_name="tiny"))
+    transport = CountingTransport(
+        create_inference_app(LocalEngine(copy.deepcopy(model), tokenizer), model_name="tiny")
+    )
     inference = OpenAIInterface("http://server", transport=transport)
     agent = PassAtKAgent(ArithmeticAgent(env_id="arith", seed=0, eval_size=2), n=65, ks=[1, 64], greedy=False)
     response = asyncio.run(agent.evaluate(inference, 1, generation_args=GenerationArgs(max_tokens=3, seed=5)))
     (result,) = response.results
     assert result.failed == 0 and len(result.rewards) == len(result.completions) == 65
     assert len(transport.bodies) == 2  # 64 + 1
-    assert {"pass@1", "pass@64"} <= set(evaluation_metrics(response)) and evaluation_metrics(response)["failed_samples"] == 0.0
+    assert {"pass@1", "pass@64"} <= set(evaluation_metrics(response)) and evaluation_metrics(response)[
+        "failed_samples"
+    ] == 0.0
 
     async def sample_twice():  # parts are seeded from the request's seed: the same request, the same tokens
-        request = InferenceRequest(prompt="1 + 2 =", n=66, generation_args=GenerationArgs(max_tokens=3, seed=9))
+        request = InferenceRequest(
+            prompt="1 + 2 =", n=66, generation_args=GenerationArgs(max_tokens=3, seed=9)
+        )
         return [await inference.agenerate(request) for _ in range(2)]
 
     first, second = asyncio.run(sample_twice())
@@ -67,10 +74,14 @@ def test_failed_samples_are_counted_not_scored_as_wrong():
     agents = WeightedMultiTask([EchoAgent(env_id="echo", seed=0, eval_size=4)], [1.0])
     problems = agents.agents[0].eval_problems
     config = EvaluationConfig(num_prompts=4, samples_per_prompt=2, ks=[1, 2], greedy=True)
-    summary = asyncio.run(evaluate_environments(agents, FlakyInference({problems[0].answer}), config, GenerationArgs()))
+    summary = asyncio.run(
+        evaluate_environments(agents, FlakyInference({problems[0].answer}), config, GenerationArgs())
+    )
     metrics = summary["echo"]
     assert metrics["failed_samples"] == 3.0  # problem 0: 2 samples and its greedy one
-    assert metrics["pass@1"] == metrics["accuracy"] == metrics["greedy_accuracy"] == 1.0  # the others, all right
+    assert (
+        metrics["pass@1"] == metrics["accuracy"] == metrics["greedy_accuracy"] == 1.0
+    )  # the others, all right
     everything = FlakyInference({p.answer for p in problems})
     metrics = asyncio.run(evaluate_environments(agents, everything, config, GenerationArgs()))["echo"]
     assert metrics == {"problems": 4.0, "failed_samples": 12.0}  # no accuracy at all rather than a false 0

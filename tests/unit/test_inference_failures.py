@@ -16,8 +16,9 @@ from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_o
 
 
 def rollout(reward=1.0):
-    return TokenRollout(trajectory=[[1], [2]], generation_mask=[[False], [True]], reward=reward, env_id="e",
-                        problem_id="p")  # fmt: skip
+    return TokenRollout(
+        trajectory=[[1], [2]], generation_mask=[[False], [True]], reward=reward, env_id="e", problem_id="p"
+    )
 
 
 def group(ok, failed, reason="inference: ConnectError: refused"):
@@ -36,7 +37,9 @@ def test_by_default_a_whole_group_failed_in_inference_refuses_the_batch():
 def test_a_configured_fraction_bounds_the_failed_rollouts():
     assert inference_failure([group(3, 1), group(3, 1)], 0.25) is None
     assert inference_failure([group(2, 2), group(3, 1)], 0.25) is not None
-    assert inference_failure([group(4, 0), group(0, 4)], 0.5) is None  # a whole group, but within the fraction
+    assert (
+        inference_failure([group(4, 0), group(0, 4)], 0.5) is None
+    )  # a whole group, but within the fraction
 
 
 class FailingServer(ScriptedInference):
@@ -64,8 +67,16 @@ def test_a_refused_batch_is_not_banked_and_later_batches_are_not_drawn(tmp_path,
     server = FailingServer()
     agents = WeightedMultiTask([EchoAgent(env_id="echo", seed=0, eval_size=4)], [1.0])
     bank = RolloutBank(tmp_path)
-    pipeline = RolloutPipeline(agents, server, num_groups=2, group_size=2, generation_args=lambda step: GenerationArgs(),
-                               lag=lag, last_step=5, bank=bank)  # fmt: skip
+    pipeline = RolloutPipeline(
+        agents,
+        server,
+        num_groups=2,
+        group_size=2,
+        generation_args=lambda step: GenerationArgs(),
+        lag=lag,
+        last_step=5,
+        bank=bank,
+    )
     try:
         pipeline.start(0)
         assert len(pipeline.get(1)) == 2
@@ -76,12 +87,16 @@ def test_a_refused_batch_is_not_banked_and_later_batches_are_not_drawn(tmp_path,
             pipeline.wait_ahead() if lag else pipeline.get(2)
         message = str(refused.value)
         assert message.startswith(f"inference server at {server.base_url} unreachable since ")
-        assert "4 of 4 rollouts failed in inference" in message and message.endswith("rerun the same command to resume")
+        assert "4 of 4 rollouts failed in inference" in message and message.endswith(
+            "rerun the same command to resume"
+        )
         requests = len(server.requests)
         with pytest.raises(InferenceUnavailableError):
             pipeline._draw(3)
         assert len(server.requests) == requests  # nothing more was asked of the dead server
-        assert [b.step for b in bank.read()] == ([1] if lag == 0 else [1, 2])  # with a lag, 2 was drawn before
+        assert [b.step for b in bank.read()] == (
+            [1] if lag == 0 else [1, 2]
+        )  # with a lag, 2 was drawn before
     finally:
         pipeline.close()
 
@@ -97,9 +112,16 @@ def test_a_weight_sync_to_an_unreachable_server_stops_the_run_in_one_line():
         def health(self):
             return Health(servers=(self.base_url,), unreachable_since=self.lost_at)
 
-    trainer = SimpleNamespace(distributed=None, is_main=True, inference=DeadSync(), _untied=dict,
-                              policy=SimpleNamespace(state_dict=dict))  # fmt: skip
-    with pytest.raises(InferenceUnavailableError, match=r"unreachable since .* \(weight sync of step 4: RuntimeError"):
+    trainer = SimpleNamespace(
+        distributed=None,
+        is_main=True,
+        inference=DeadSync(),
+        _untied=dict,
+        policy=SimpleNamespace(state_dict=dict),
+    )
+    with pytest.raises(
+        InferenceUnavailableError, match=r"unreachable since .* \(weight sync of step 4: RuntimeError"
+    ):
         Trainer._sync_weights(trainer, 4)
     trainer.inference.lost_at = None  # a server that answered: its error is not ours to rephrase
     with pytest.raises(RuntimeError, match="^weight sync failed"):
@@ -118,4 +140,7 @@ def test_llmrl_train_prints_the_stop_line_and_exits_75(monkeypatch, capsys):
 
     monkeypatch.setattr("llmrl.trainer.Trainer", StoppingTrainer)
     assert cli.main(["train", "--set", "training.steps=1"]) == cli.EXIT_TRY_AGAIN == 75
-    assert capsys.readouterr().err == "llmrl train: stopped: inference server at http://h/v1 unreachable since 12:00; rerun\n"
+    assert (
+        capsys.readouterr().err
+        == "llmrl train: stopped: inference server at http://h/v1 unreachable since 12:00; rerun\n"
+    )

@@ -421,7 +421,9 @@ def test_weights_are_checked_before_they_serve(weights_server):
         assert answer.status_code == 400 and norm in message, (kind, message)
         assert ("non-finite" in message) if kind in ("nan", "inf") else (kind in message)
     for version in (str(2**70), "-1", "1e3", "٣"):
-        answer = client.post(f"/v1/weights?version={version}", content=save({norm: before[norm]}), headers=OCTETS)
+        answer = client.post(
+            f"/v1/weights?version={version}", content=save({norm: before[norm]}), headers=OCTETS
+        )
         assert answer.status_code == 422 and "query.version" in answer.json()["error"]["message"]
     save_file({norm: before[norm]}, str(folder / "ok.safetensors"))
     huge = client.post("/v1/weights", json={"version": 2**70, "path": "ok.safetensors"})
@@ -432,7 +434,12 @@ def test_weights_are_checked_before_they_serve(weights_server):
     assert streamed.status_code == 400 and "not a safetensors file" in streamed.json()["error"]["message"]
     (folder / "policy.pt").write_bytes(pickled.getvalue())
     by_path = client.post("/v1/weights", json={"version": 1, "path": "policy.pt"})
-    assert by_path.status_code == 400 and "policy.pt is not a safetensors file" in by_path.json()["error"]["message"]
-    assert engine.policy_version == 0 and all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    assert (
+        by_path.status_code == 400
+        and "policy.pt is not a safetensors file" in by_path.json()["error"]["message"]
+    )
+    assert engine.policy_version == 0 and all(
+        torch.equal(v, before[k]) for k, v in engine.model.state_dict().items()
+    )
     answer = client.post("/v1/completions", json={"prompt": "1 + 1 =", "max_tokens": 2})
     assert answer.status_code == 200 and answer.json()["policy_version"] == 0

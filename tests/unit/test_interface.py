@@ -62,7 +62,10 @@ def test_run_blocking_inside_a_running_loop_uses_a_loop_of_its_own():
         outer = asyncio.get_running_loop()
 
         async def inner():
-            return asyncio.get_running_loop() is not outer, threading.current_thread() is not threading.main_thread()
+            return (
+                asyncio.get_running_loop() is not outer,
+                threading.current_thread() is not threading.main_thread(),
+            )
 
         return run_blocking(inner())
 

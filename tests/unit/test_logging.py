@@ -171,7 +171,9 @@ def test_wandb_receives_config_and_finite_metrics(tmp_path, monkeypatch):
         return FakeRun()
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
-    with MetricsLogger(tmp_path, tensorboard=False, wandb=True, wandb_project="p", config={"seed": 3}) as logger:
+    with MetricsLogger(
+        tmp_path, tensorboard=False, wandb=True, wandb_project="p", config={"seed": 3}
+    ) as logger:
         logger.log(4, {"a": 1.0, "b": math.nan})
 
     assert calls["init"] == [{"project": "p", "mode": "offline", "dir": str(tmp_path), "config": {"seed": 3}}]
@@ -191,8 +193,12 @@ def test_bad_wandb_mode_and_resume_step_are_rejected(tmp_path):
 
 def test_rollout_log_writes_token_and_dict_rollouts(tmp_path):
     one_turn = TokenRollout(
-        env_id="arith", problem_id="p1", reward=1.0,
-        trajectory=[[1], [2]], generation_mask=[[False], [True]], text=["2+2=", "4"],
+        env_id="arith",
+        problem_id="p1",
+        reward=1.0,
+        trajectory=[[1], [2]],
+        generation_mask=[[False], [True]],
+        text=["2+2=", "4"],
     )
     multi_turn = TokenRollout(
         env_id="chat",
@@ -205,8 +211,12 @@ def test_rollout_log_writes_token_and_dict_rollouts(tmp_path):
         text=["Q:", "a", " retry:", "b"],
     )
     no_text = TokenRollout(
-        env_id="arith", problem_id="p3", status="failed", failure_reason="timeout",
-        trajectory=[[1], [2]], generation_mask=[[False], [True]],
+        env_id="arith",
+        problem_id="p3",
+        status="failed",
+        failure_reason="timeout",
+        trajectory=[[1], [2]],
+        generation_mask=[[False], [True]],
     )
     path = tmp_path / "rollouts.jsonl"
     with RolloutLog(path) as log:
@@ -217,8 +227,16 @@ def test_rollout_log_writes_token_and_dict_rollouts(tmp_path):
 
     records = read_jsonl(path)
     assert records[0] == {
-        "step": 7, "env_id": "arith", "problem_id": "p1", "prompt": "2+2=", "completion": "4",
-        "reward": 1.0, "status": "ok", "truncated": False, "policy_version": 0, "failure_reason": None,
+        "step": 7,
+        "env_id": "arith",
+        "problem_id": "p1",
+        "prompt": "2+2=",
+        "completion": "4",
+        "reward": 1.0,
+        "status": "ok",
+        "truncated": False,
+        "policy_version": 0,
+        "failure_reason": None,
         "advantage": 0.8,
     }
     assert (records[1]["prompt"], records[1]["completion"]) == ("Q:", "a retry:b")
@@ -230,7 +248,9 @@ def test_rollout_log_writes_token_and_dict_rollouts(tmp_path):
 
 def test_rollout_log_rejects_clashing_fields_and_resumes(tmp_path):
     path = tmp_path / "rollouts.jsonl"
-    rollout = TokenRollout(env_id="e", problem_id="p", trajectory=[[1], [2]], generation_mask=[[False], [True]])
+    rollout = TokenRollout(
+        env_id="e", problem_id="p", trajectory=[[1], [2]], generation_mask=[[False], [True]]
+    )
     with RolloutLog(path) as log:
         with pytest.raises(ValueError, match=r"\['reward'\] clash"):
             log.log(0, rollout, reward=2.0)

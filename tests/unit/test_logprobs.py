@@ -119,9 +119,14 @@ def test_memory_never_holds_tokens_times_vocab():
 def tiny_qwen2() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=89, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=89,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_implementation="sdpa",
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -142,8 +147,11 @@ def test_token_logprobs_fills_only_the_loss_mask():
 
 @pytest.mark.parametrize(
     ("config_class", "transform"),
-    [("Gemma2Config", {"final_logit_softcapping": 2.0}), ("CohereConfig", {"logit_scale": 0.3}),
-     ("GraniteConfig", {"logits_scaling": 4.0})],
+    [
+        ("Gemma2Config", {"final_logit_softcapping": 2.0}),
+        ("CohereConfig", {"logit_scale": 0.3}),
+        ("GraniteConfig", {"logits_scaling": 4.0}),
+    ],
 )
 def test_token_logprobs_transform_logits_as_the_model_does(config_class, transform):
     """Soft-capping, scaling and division of the logits: the model's own forward is the reference
@@ -152,16 +160,25 @@ def test_token_logprobs_transform_logits_as_the_model_does(config_class, transfo
 
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, initializer_range=0.5, **transform)
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        initializer_range=0.5,
+        **transform,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     sequence = [3, 14, 15, 9, 26, 5, 35]
     with torch.no_grad():
         logits = model(torch.tensor([sequence])).logits[0, :-1].float()
         expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(sequence[1:])[:, None])[:, 0]
         logprobs, _ = token_logprobs(model, build_batch([sequence], [[0]]), temperature=0.7)
-        untransformed = torch.log_softmax(model.lm_head(model.model(torch.tensor([sequence])).last_hidden_state)[0, :-1]
-                                          / 0.7, -1).gather(-1, torch.tensor(sequence[1:])[:, None])[:, 0]
+        untransformed = torch.log_softmax(
+            model.lm_head(model.model(torch.tensor([sequence])).last_hidden_state)[0, :-1] / 0.7, -1
+        ).gather(-1, torch.tensor(sequence[1:])[:, None])[:, 0]
     torch.testing.assert_close(logprobs[0, 1:], expected, rtol=0, atol=1e-5)
     assert (untransformed - expected).abs().max() > 0.1  # the transform matters here
 

@@ -13,12 +13,32 @@ from llmrl.config import AlgorithmConfig
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
-def loss_of(logprobs, old_logprobs, advantages, mask, *, normalizer=None, ref_logprobs=None, entropies=None,
-            inference_logprobs=None, sequence_ids=None, **options):  # fmt: skip
+def loss_of(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    normalizer=None,
+    ref_logprobs=None,
+    entropies=None,
+    inference_logprobs=None,
+    sequence_ids=None,
+    **options,
+):
     """`policy_loss` with its `LossOptions` given as keywords, as the cases below list them."""
-    return policy_loss(logprobs, old_logprobs, advantages, mask, LossOptions(**options), normalizer=normalizer,
-                       ref_logprobs=ref_logprobs, entropies=entropies, inference_logprobs=inference_logprobs,
-                       sequence_ids=sequence_ids)  # fmt: skip
+    return policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        LossOptions(**options),
+        normalizer=normalizer,
+        ref_logprobs=ref_logprobs,
+        entropies=entropies,
+        inference_logprobs=inference_logprobs,
+        sequence_ids=sequence_ids,
+    )
 
 
 def reference_loss(
@@ -247,9 +267,7 @@ def test_hand_derived_aggregations():
         "seq_mean_token_sum_norm": (-1 + 6) / (2 * 4),  # 0.625 with max_length 4
     }
     for aggregation, value in expected.items():
-        loss, metrics = loss_of(
-            logprobs, logprobs, advantages, mask, aggregation=aggregation, max_length=4
-        )
+        loss, metrics = loss_of(logprobs, logprobs, advantages, mask, aggregation=aggregation, max_length=4)
         assert loss.item() == pytest.approx(value), aggregation
         assert metrics["num_tokens"] == 4 and metrics["num_sequences"] == 2
 
@@ -272,8 +290,15 @@ def test_hand_derived_kl_estimators():
     # d k3 / d log pi = 1 - rho = 0.5.
     for weighted, slope in [(False, 0.5), (True, 0.5 + (0.5 - 1 + math.log(2)))]:
         logprob = lp[None].clone().requires_grad_()
-        loss, _ = loss_of(logprob, lp[None], zero, torch.ones(1, 1, dtype=torch.bool), ref_logprobs=ref[None],
-                          kl_beta=0.5, kl_ratio_weighted=weighted)  # fmt: skip
+        loss, _ = loss_of(
+            logprob,
+            lp[None],
+            zero,
+            torch.ones(1, 1, dtype=torch.bool),
+            ref_logprobs=ref[None],
+            kl_beta=0.5,
+            kl_ratio_weighted=weighted,
+        )
         (gradient,) = torch.autograd.grad(loss, logprob)
         assert loss.item() == pytest.approx(0.5 * (0.5 - 1 + math.log(2)))
         assert gradient.item() == pytest.approx(0.5 * slope)
@@ -294,7 +319,8 @@ def test_hand_derived_importance_weights():
     # mismatch KL(q || pi_old) from tokens sampled by q: k3 with rho = pi_old / q = w,
     # ((3 - 1 - log 3) + (0.5 - 1 - log 0.5)) / 2 = (0.9014 + 0.1931) / 2
     assert metrics["mismatch_kl"] == pytest.approx(((3 - 1 - math.log(3)) + (0.5 - 1 - math.log(0.5))) / 2)
-    # Sequence masking: geometric mean weight sqrt(3 * 0.5) = 1.22 is inside [1/1.5, 1.5] but not [1/1.2, 1.2].
+    # Sequence masking: geometric mean weight sqrt(3 * 0.5) = 1.22 is inside [1/1.5, 1.5] but not [1/1.2,
+    # 1.2].
     loss, metrics = loss_of(
         lp, lp, torch.tensor([-1.0]), mask, inference_logprobs=inference, is_mode="mask", is_cap=1.5
     )
@@ -368,16 +394,25 @@ def test_packed_row_equals_one_sequence_per_row(aggregation, ratio_level):
         "is_cap": 1.3,
     }
     loss, _ = loss_of(
-        batch["logprobs"], batch["old"], batch["advantages"], batch["mask"],
-        inference_logprobs=batch["inference_logprobs"], **options,
-    )  # fmt: skip
+        batch["logprobs"],
+        batch["old"],
+        batch["advantages"],
+        batch["mask"],
+        inference_logprobs=batch["inference_logprobs"],
+        **options,
+    )
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     packed, order = pack_rows(batch)
     packed_logprobs = packed["logprobs"].detach().requires_grad_()
     packed_loss, _ = loss_of(
-        packed_logprobs, packed["old"], batch["advantages"], packed["mask"],
-        inference_logprobs=packed["inference_logprobs"], sequence_ids=packed["sequence_ids"], **options,
-    )  # fmt: skip
+        packed_logprobs,
+        packed["old"],
+        batch["advantages"],
+        packed["mask"],
+        inference_logprobs=packed["inference_logprobs"],
+        sequence_ids=packed["sequence_ids"],
+        **options,
+    )
     (packed_grad,) = torch.autograd.grad(packed_loss, packed_logprobs)
     torch.testing.assert_close(packed_loss, loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(packed_grad[0].view(len(order), -1), grad[order], rtol=1e-12, atol=1e-12)
@@ -406,9 +441,14 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     total = 0.0
     for s in splits:
         micro_loss, _ = loss_of(
-            batch["logprobs"][s], batch["old"][s], batch["advantages"][s], batch["mask"][s],
-            ref_logprobs=batch["ref_logprobs"][s], normalizer=normalizer, **options,
-        )  # fmt: skip
+            batch["logprobs"][s],
+            batch["old"][s],
+            batch["advantages"][s],
+            batch["mask"][s],
+            ref_logprobs=batch["ref_logprobs"][s],
+            normalizer=normalizer,
+            **options,
+        )
         micro_loss.backward()
         total += micro_loss.item()
     assert total == pytest.approx(full_loss.item(), rel=1e-12)
@@ -416,11 +456,15 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     # Without the global normaliser, seq/token means of micro-batches do not add up (the test can fail).
     unnormalized = sum(
         loss_of(
-            batch["logprobs"][s], batch["old"][s], batch["advantages"][s], batch["mask"][s],
-            ref_logprobs=batch["ref_logprobs"][s], **options,
+            batch["logprobs"][s],
+            batch["old"][s],
+            batch["advantages"][s],
+            batch["mask"][s],
+            ref_logprobs=batch["ref_logprobs"][s],
+            **options,
         )[0].item()
         for s in splits
-    )  # fmt: skip
+    )
     assert unnormalized != pytest.approx(full_loss.item(), rel=1e-6)
 
 
@@ -458,9 +502,7 @@ def test_garbage_outside_the_mask_is_ignored():
 
 def test_empty_mask_gives_a_differentiable_zero():
     logprobs = torch.zeros(2, 3, requires_grad=True)
-    loss, metrics = loss_of(
-        logprobs, logprobs.detach(), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool)
-    )
+    loss, metrics = loss_of(logprobs, logprobs.detach(), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool))
     loss.backward()
     assert loss.item() == 0.0 and metrics["num_tokens"] == 0
     assert (logprobs.grad == 0).all()
@@ -497,9 +539,7 @@ def test_bad_advantage_shape():
     with pytest.raises(ValueError, match="advantages"):
         loss_of(logprobs, logprobs, torch.ones(3), mask)
     with pytest.raises(ValueError, match="advantages"):
-        loss_of(
-            logprobs, logprobs, torch.ones(1), mask, sequence_ids=torch.tensor([[0, 0, 0], [1, 1, 1]])
-        )
+        loss_of(logprobs, logprobs, torch.ones(1), mask, sequence_ids=torch.tensor([[0, 0, 0], [1, 1, 1]]))
 
 
 @pytest.mark.parametrize(
@@ -511,4 +551,7 @@ def test_loss_options_of_a_run_config(is_mode, generation_lag, expected):
     options = LossOptions.from_config(algorithm, max_tokens=64, generation_lag=generation_lag)
     assert options.is_mode == expected
     assert (options.max_length, options.clip_high, options.kl_beta) == (64, 0.3, 0.1)
-    assert LossOptions.from_config(AlgorithmConfig(max_length=9), max_tokens=64, generation_lag=0).max_length == 9
+    assert (
+        LossOptions.from_config(AlgorithmConfig(max_length=9), max_tokens=64, generation_lag=0).max_length
+        == 9
+    )

@@ -21,16 +21,29 @@ from llmrl.trainer.memory import (
 
 
 def meta_model(tied: bool = False) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    config = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     with torch.device("meta"):
         return Qwen2ForCausalLM(config)
 
 
 def settings(**changes) -> MemorySettings:
-    base = MemorySettings(master_dtype=torch.float32, compute_dtype=torch.bfloat16, world_size=1,
-                          micro_batch_tokens=4096, activation_checkpointing=False, reference_model=False,
-                          engine_tokens=8192)  # fmt: skip
+    base = MemorySettings(
+        master_dtype=torch.float32,
+        compute_dtype=torch.bfloat16,
+        world_size=1,
+        micro_batch_tokens=4096,
+        activation_checkpointing=False,
+        reference_model=False,
+        engine_tokens=8192,
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -57,7 +70,9 @@ def test_sharded_terms_divide_by_the_processes_and_the_engine_is_rank_zeros():
     assert rank0["engine"] > 0 and "engine" not in other
     assert "engine" not in plan_memory(model, settings(engine_tokens=None), "cpu").terms(rank0=True)
     assert one["gathered"] == parameters * 2  # autocast's bfloat16 casts of float32 weights
-    assert "gathered" not in plan_memory(model, settings(compute_dtype=torch.float32), "cpu").terms(rank0=True)
+    assert "gathered" not in plan_memory(model, settings(compute_dtype=torch.float32), "cpu").terms(
+        rank0=True
+    )
 
 
 def test_activation_checkpointing_lowers_the_activations_and_the_reference_adds_a_copy():
@@ -87,13 +102,26 @@ def test_a_plan_over_the_device_is_refused_with_the_numbers_and_what_would_fit()
         hopeless.check()
     # Where nothing alone is enough, the cheapest combination is named.
     with torch.device("meta"):
-        big = Qwen2ForCausalLM(Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                                           num_key_value_heads=4, intermediate_size=18944, vocab_size=152064))
+        big = Qwen2ForCausalLM(
+            Qwen2Config(
+                hidden_size=3584,
+                num_hidden_layers=28,
+                num_attention_heads=28,
+                num_key_value_heads=4,
+                intermediate_size=18944,
+                vocab_size=152064,
+            )
+        )
     seven_b = MemoryPlan(ModelShape.of(big), settings(micro_batch_tokens=16384), "cuda", 80 * 10**9, 0)
-    with pytest.raises(ConfigError, match="together these would: training.activation_checkpointing: true; "
-                                          "inference on vLLM or a server; 2 processes"):
+    with pytest.raises(
+        ConfigError,
+        match="together these would: training.activation_checkpointing: true; "
+        "inference on vLLM or a server; 2 processes",
+    ):
         seven_b.check()
-    with pytest.raises(ConfigError, match="alone would fit: .*training.micro_batch_tokens: 2048;"):  # the largest that fits
+    with pytest.raises(
+        ConfigError, match="alone would fit: .*training.micro_batch_tokens: 2048;"
+    ):  # the largest that fits
         dataclasses.replace(plan, device_bytes=plan.total() - 1).check()
 
 

@@ -54,30 +54,67 @@ BF16_FACTOR = 2.0
 MAX_TOKENS = 20
 PROMPT_LENGTHS = (6, 13)
 
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, pad_token_id=0,
-             bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
-GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh")
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
+GEMMA = dict(
+    head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh"
+)
 
 FAMILIES: dict[str, tuple[str, dict]] = {
     # name: (config class, its settings beyond SHAPE)
-    "llama3": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16)),  # q/k norms
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+    ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=WINDOW)),
     # Alternating sliding and global layers, soft-capped attention scores and logits.
-    "gemma2": ("Gemma2Config", dict(GEMMA, attn_logit_softcapping=10.0, final_logit_softcapping=5.0,
-                                    tie_word_embeddings=True)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(GEMMA, attn_logit_softcapping=10.0, final_logit_softcapping=5.0, tie_word_embeddings=True),
+    ),
     # Sliding windows with their own rotary base, q/k norms.
-    "gemma3": ("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention"],
-                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
-                                        tie_word_embeddings=True)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            GEMMA,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
     "phi3": ("Phi3Config", dict(sliding_window=WINDOW)),  # fused qkv and gate_up projections
 }
 NATIVE = {"llama3", "qwen2"}
@@ -121,17 +158,25 @@ class Family:
         # Not the tokenizer loaded back: transformers swaps in a family's own tokenizer class (Qwen2's
         # byte-level BPE) for a folder whose tokenizer has no class of its own.
         self.tokenizer = tokenizer
-        self.reference = load_model(str(folder), dtype="float32", attn_implementation=attention, device=device)[0]
+        self.reference = load_model(
+            str(folder), dtype="float32", attn_implementation=attention, device=device
+        )[0]
         self.model.generation_config.eos_token_id = self.reference.generation_config.eos_token_id = None
         self.dtype = dtype
         self.engine = LocalEngine(self.model, self.tokenizer, eos_token_ids=())
         generator = torch.Generator().manual_seed(1)
         self.prompts = [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
         greedy = GenerationArgs(temperature=0.0, max_tokens=MAX_TOKENS)
-        requests = [InferenceRequest(prompt=self.text(p), n=n, generation_args=greedy)
-                    for p, n in zip(self.prompts, (1, 2), strict=True)]
-        requests += [InferenceRequest(prompt=self.text(p), n=2, generation_args=GenerationArgs(max_tokens=MAX_TOKENS, seed=i))
-                     for i, p in enumerate(self.prompts)]
+        requests = [
+            InferenceRequest(prompt=self.text(p), n=n, generation_args=greedy)
+            for p, n in zip(self.prompts, (1, 2), strict=True)
+        ]
+        requests += [
+            InferenceRequest(
+                prompt=self.text(p), n=2, generation_args=GenerationArgs(max_tokens=MAX_TOKENS, seed=i)
+            )
+            for i, p in enumerate(self.prompts)
+        ]
 
         async def generate_all():
             return await asyncio.gather(*(self.engine.agenerate(r) for r in requests))
@@ -158,8 +203,10 @@ class Family:
     @property
     def bf16_error(self) -> float:
         """Hugging Face's own bfloat16 forward against float32: the largest logprob difference."""
-        return max_difference(completion_logprobs(self.model, self.sequences, packed=False),
-                              completion_logprobs(self.reference, self.sequences, packed=False))
+        return max_difference(
+            completion_logprobs(self.model, self.sequences, packed=False),
+            completion_logprobs(self.reference, self.sequences, packed=False),
+        )
 
 
 def completion_logprobs(model, sequences, *, packed: bool) -> list[torch.Tensor]:
@@ -208,19 +255,29 @@ def test_engine_takes_the_native_decoder_only_for_the_llama_family(family):
 def test_greedy_output_equals_generate(family):
     for prompt, responses in zip(family.prompts, family.greedy, strict=True):
         with torch.no_grad():
-            expected = family.model.generate(torch.tensor([prompt], device=family.device), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                             pad_token_id=0)[0, len(prompt) :].tolist()
+            expected = family.model.generate(
+                torch.tensor([prompt], device=family.device),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         for response in responses:
             assert response.prompt_token_ids == prompt
             if family.dtype == torch.float32:
                 assert response.token_ids == expected
                 continue
-            same = next((i for i, (a, b) in enumerate(zip(response.token_ids, expected, strict=True)) if a != b), None)
+            same = next(
+                (i for i, (a, b) in enumerate(zip(response.token_ids, expected, strict=True)) if a != b), None
+            )
             if same is None:
                 continue
             # They parted at step `same`: only a near-tie in float32 may explain it.
             with torch.no_grad():
-                logits = family.reference(torch.tensor([prompt + expected[:same]], device=family.device)).logits[0, -1].float()
+                logits = (
+                    family.reference(torch.tensor([prompt + expected[:same]], device=family.device))
+                    .logits[0, -1]
+                    .float()
+                )
             logprobs = torch.log_softmax(logits, -1)
             gap = (logprobs[expected[same]] - logprobs[response.token_ids[same]]).abs().item()
             assert gap <= 2 * family.bf16_error, f"parted at step {same} with a float32 gap of {gap:.3f}"
@@ -237,22 +294,44 @@ def test_packed_logprobs_equal_unpacked(family):
     error = max_difference(packed, completion_logprobs(family.reference, family.sequences, packed=False))
     assert error <= family.tolerance, f"packed vs float32 forward {error:.2e} > {family.tolerance:.2e}"
     if family.dtype == torch.float32:
-        assert max_difference(packed, completion_logprobs(family.model, family.sequences, packed=False)) <= FP32_ATOL
+        assert (
+            max_difference(packed, completion_logprobs(family.model, family.sequences, packed=False))
+            <= FP32_ATOL
+        )
 
 
 def test_one_training_step_on_its_own_rollouts(family):
     policy = copy.deepcopy(family.model).float().train()  # float32 master weights, as the trainer keeps them
-    groups = [RolloutGroup(group_id=f"g{g}", rollouts=[
-        TokenRollout(trajectory=[r.prompt_token_ids, r.token_ids],
-                     generation_mask=[[False] * len(r.prompt_token_ids), [True] * len(r.token_ids)],
-                     logprobs=[[0.0] * len(r.prompt_token_ids), r.logprobs], reward=float(k), env_id="env",
-                     problem_id=f"p{g}")
-        for k, r in enumerate(responses)]) for g, responses in enumerate(family.sampled)]
+    groups = [
+        RolloutGroup(
+            group_id=f"g{g}",
+            rollouts=[
+                TokenRollout(
+                    trajectory=[r.prompt_token_ids, r.token_ids],
+                    generation_mask=[[False] * len(r.prompt_token_ids), [True] * len(r.token_ids)],
+                    logprobs=[[0.0] * len(r.prompt_token_ids), r.logprobs],
+                    reward=float(k),
+                    env_id="env",
+                    problem_id=f"p{g}",
+                )
+                for k, r in enumerate(responses)
+            ],
+        )
+        for g, responses in enumerate(family.sampled)
+    ]
     algorithm, training = AlgorithmConfig(is_mode="truncate"), TrainingConfig(lr=1e-3, micro_batch_tokens=512)
     batch, _ = prepare_batch(groups, group_size=2, algorithm=algorithm, max_tokens=MAX_TOKENS)
     optimizer, _ = build_optimizer(policy, training)
-    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(),
-                          max_tokens=MAX_TOKENS, pad_token_id=0, compute_dtype=family.dtype)
+    update = PolicyUpdate(
+        policy,
+        optimizer,
+        algorithm=algorithm,
+        training=training,
+        generation_args=GenerationArgs(),
+        max_tokens=MAX_TOKENS,
+        pad_token_id=0,
+        compute_dtype=family.dtype,
+    )
     before = [p.detach().clone() for p in policy.parameters()]
     metrics = update(batch, torch.Generator().manual_seed(0))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
@@ -264,24 +343,45 @@ def test_one_training_step_on_its_own_rollouts(family):
 
 @pytest.mark.parametrize(
     ("family", "change", "attn_implementation", "message"),
-    [("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                                   "long_factor": [2.0] * 8, "original_max_position_embeddings": 64,
-                                   "partial_rotary_factor": 1.0}},
-      "sdpa", r"'phi3': rotary scaling rope_type='longrope'"),
-     ("llama3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
-      "sdpa", r"'llama': rotary scaling rope_type='dynamic'"),
-     ("gemma2", {}, "sdpa", r"'gemma2': attention logit soft-capping .* attn_implementation='eager'"),
-     ("gemma3", {"use_bidirectional_attention": True}, "sdpa", r"'gemma3_text': bidirectional attention")],
+    [
+        (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 64,
+                    "partial_rotary_factor": 1.0,
+                }
+            },
+            "sdpa",
+            r"'phi3': rotary scaling rope_type='longrope'",
+        ),
+        (
+            "llama3",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+            "sdpa",
+            r"'llama': rotary scaling rope_type='dynamic'",
+        ),
+        ("gemma2", {}, "sdpa", r"'gemma2': attention logit soft-capping .* attn_implementation='eager'"),
+        ("gemma3", {"use_bidirectional_attention": True}, "sdpa", r"'gemma3_text': bidirectional attention"),
+    ],
 )
-def test_unsupported_features_fail_when_the_model_loads(family, change, attn_implementation, message, tmp_path,
-                                                          monkeypatch):
+def test_unsupported_features_fail_when_the_model_loads(
+    family, change, attn_implementation, message, tmp_path, monkeypatch
+):
     config = build_config(family)
     for name, value in change.items():
         setattr(config, name, value)
     loads: list[str] = []
     original: Callable = transformers.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *args, **kwargs: loads.append("weights") or original(*args, **kwargs))
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *args, **kwargs: loads.append("weights") or original(*args, **kwargs),
+    )
     folder = tmp_path / "model"
     config.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
@@ -292,9 +392,14 @@ def test_unsupported_features_fail_when_the_model_loads(family, change, attn_imp
 
 def test_the_engine_refuses_a_model_built_in_memory_before_generating():
     config = build_config("phi3")
-    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                              "long_factor": [2.0] * 8, "original_max_position_embeddings": 64,
-                                   "partial_rotary_factor": 1.0}
+    config.rope_parameters = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 64,
+        "partial_rotary_factor": 1.0,
+    }
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="longrope"):
         LocalEngine(model, word_tokenizer())

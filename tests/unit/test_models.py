@@ -97,7 +97,9 @@ def test_build_info_records_the_run(micro_build):
 
 def test_warmup_stops_at_the_first_check_that_reaches_the_target(micro_build):
     model, tokenizer = load_model(str(micro_build[0]))
-    checks = tiny.train_warmup(model, tokenizer, dataclasses.replace(MICRO, target_accuracy=0.0, max_steps=50))
+    checks = tiny.train_warmup(
+        model, tokenizer, dataclasses.replace(MICRO, target_accuracy=0.0, max_steps=50)
+    )
     assert [c["step"] for c in checks] == [MICRO.check_every]
     assert 0.0 < checks[0]["expected_accuracy"] < 1.0 and checks[0]["loss"] > 0
 
@@ -129,8 +131,10 @@ def test_the_shipped_files_are_package_data():
     for file in tiny.SHIPPED_ROOT.rglob("*"):
         if file.is_file():
             relative = file.relative_to(package).as_posix()
-            assert any(fnmatch.fnmatch(relative, pattern) and relative.count("/") == pattern.count("/")
-                       for pattern in patterns), relative  # fmt: skip
+            assert any(
+                fnmatch.fnmatch(relative, pattern) and relative.count("/") == pattern.count("/")
+                for pattern in patterns
+            ), relative
 
 
 def test_a_changed_or_missing_file_is_refused_by_name(shipped_micro):
@@ -200,7 +204,9 @@ def test_unknown_tiny_name_lists_the_valid_ones():
         load_model("tiny://nope")
 
 
-@pytest.mark.parametrize("spec", ["./no/such/model", "/no/such/model", "~/no-such-model-here/x", "a//b", "x y"])
+@pytest.mark.parametrize(
+    "spec", ["./no/such/model", "/no/such/model", "~/no-such-model-here/x", "a//b", "x y"]
+)
 def test_missing_local_folder_is_a_clear_error(spec):
     with pytest.raises(ValueError, match="no such local folder"):
         load_model(spec)
@@ -311,8 +317,9 @@ def test_warmed_up_model_is_partly_right(tiny_model, tiny_model_path):
     problems = sample_problems(32, split="test", seed=11)
     batch = tokenizer(
         [
-            tokenizer.apply_chat_template([m.model_dump() for m in prompt_messages(p)], tokenize=False,
-                                          add_generation_prompt=True)
+            tokenizer.apply_chat_template(
+                [m.model_dump() for m in prompt_messages(p)], tokenize=False, add_generation_prompt=True
+            )
             for p in problems
         ],
         add_special_tokens=False,

@@ -59,8 +59,17 @@ def assert_served(engine: LocalEngine, state: dict[str, torch.Tensor]) -> None:
 
 SAMPLING_OPTIONS = [
     GenerationArgs(max_tokens=6, seed=4, top_k=20),
-    GenerationArgs(max_tokens=6, seed=5, min_p=0.05, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
-                   min_tokens=3, ignore_eos=True, chat_template_kwargs={"unused": True}),
+    GenerationArgs(
+        max_tokens=6,
+        seed=5,
+        min_p=0.05,
+        top_p=0.9,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        min_tokens=3,
+        ignore_eos=True,
+        chat_template_kwargs={"unused": True},
+    ),
 ]
 
 
@@ -210,12 +219,29 @@ def test_requests_ask_every_dialect_for_token_ids_and_logprobs():
     assert str(seen[0].url) == "http://vllm:8000/v1/completions"
     assert body["return_token_ids"] is True and body["logprobs"] == 1 and body["seed"] == 0
     assert not {"top_k", "stop", "stop_token_ids", "prompt_token_ids"} & set(body)
-    args = GenerationArgs(top_k=5, stop=("x",), stop_token_ids=(9,), min_p=0.1, repetition_penalty=1.1,
-                          presence_penalty=0.2, min_tokens=1, ignore_eos=True)
+    args = GenerationArgs(
+        top_k=5,
+        stop=("x",),
+        stop_token_ids=(9,),
+        min_p=0.1,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        min_tokens=1,
+        ignore_eos=True,
+    )
     remote.generate(InferenceRequest(prompt="q", generation_args=args, prompt_token_ids=[1, 2]))
     body = json.loads(seen[1].content)
-    sent = {"top_k": 5, "stop": ["x"], "stop_token_ids": [9], "prompt_token_ids": [1, 2], "min_p": 0.1,
-            "repetition_penalty": 1.1, "presence_penalty": 0.2, "min_tokens": 1, "ignore_eos": True}
+    sent = {
+        "top_k": 5,
+        "stop": ["x"],
+        "stop_token_ids": [9],
+        "prompt_token_ids": [1, 2],
+        "min_p": 0.1,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.2,
+        "min_tokens": 1,
+        "ignore_eos": True,
+    }
     assert {name: body[name] for name in sent} == sent
 
 

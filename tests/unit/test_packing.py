@@ -119,8 +119,10 @@ def test_build_batch_rejects_bad_input():
 def test_share_prefixes_groups_sequences_by_their_context():
     prompt, other = [5, 6, 7], [8, 9]
     sequences = [prompt + [1, 2], other + [3], prompt + [4], prompt + [1, 1, 1, 1], other + [6, 6], [2, 2]]
-    masks = [[False] * (len(p)) + [True] * (len(s) - len(p)) for p, s in zip(
-        [prompt, other, prompt, prompt, other, [2]], sequences, strict=True)]  # fmt: skip
+    masks = [
+        [False] * (len(p)) + [True] * (len(s) - len(p))
+        for p, s in zip([prompt, other, prompt, prompt, other, [2]], sequences, strict=True)
+    ]
     units = share_prefixes(sequences, masks, range(6), max_tokens=100)
     assert units == [SharedPrefix((0, 2, 3), 3), SharedPrefix((1, 4), 2), 5]
     assert [unit_tokens(u, [len(s) for s in sequences]) for u in units] == [3 + 2 + 1 + 4, 2 + 1 + 2, 2]
@@ -179,8 +181,13 @@ def test_plan_rows_trades_fewer_tokens_against_longer_rows():
     # In between: 2 completions per prompt in rows of 100 (363 tokens, ~33k attention pairs).
     units, limit = plan_rows(sequences, masks, everything, 512, token_cost=1.0, pair_cost=0.002)
     assert limit == 100
-    assert units == [SharedPrefix((0, 1), 10), SharedPrefix((2, 3), 10), SharedPrefix((4, 5), 10),
-                     SharedPrefix((6, 7), 10), 8]  # fmt: skip
+    assert units == [
+        SharedPrefix((0, 1), 10),
+        SharedPrefix((2, 3), 10),
+        SharedPrefix((4, 5), 10),
+        SharedPrefix((6, 7), 10),
+        8,
+    ]
     # Sharing off: plain sequences whatever the costs.
     units, _ = plan_rows(sequences, masks, everything, 512, token_cost=1.0, pair_cost=0.0, share=False)
     assert units == list(everything)
@@ -220,9 +227,15 @@ def one_thread():
 def random_causal_lm(architecture: str, attn_implementation: str) -> torch.nn.Module:
     torch.manual_seed(0)
     shape = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attn_implementation,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn_implementation,
+    )
     if architecture == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     return LlamaForCausalLM(LlamaConfig(**shape)).eval()
@@ -289,8 +302,11 @@ def grouped_sequences(
     sequences = [
         prompts[g] + [1] + completions[g * group_size + k] for g in range(groups) for k in range(group_size)
     ]
-    masks = [[False] * (len(prompts[g]) + 1) + [True] * (len(s) - len(prompts[g]) - 1)
-             for g in range(groups) for s in sequences[g * group_size : (g + 1) * group_size]]  # fmt: skip
+    masks = [
+        [False] * (len(prompts[g]) + 1) + [True] * (len(s) - len(prompts[g]) - 1)
+        for g in range(groups)
+        for s in sequences[g * group_size : (g + 1) * group_size]
+    ]
     return sequences, masks
 
 

@@ -1,4 +1,5 @@
-"""The trainer's progress display (read back from a StringIO stream) and its curve plots (read back as PNG)."""
+"""The trainer's progress display (read back from a StringIO stream) and its curve plots (read back as
+PNG)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,12 @@ from llmrl.inference.vllm import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "launch_grpo_math_qwen32b.sh"
-CLUSTER = {"NNODES": "8", "TRAIN_NODES": "4", "MASTER_ADDR": "node0", "ROLLOUT_HOSTS": "node4 node5 node6 node7"}
+CLUSTER = {
+    "NNODES": "8",
+    "TRAIN_NODES": "4",
+    "MASTER_ADDR": "node0",
+    "ROLLOUT_HOSTS": "node4 node5 node6 node7",
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +60,20 @@ def test_the_32b_recipe_is_megatron_rls(memory_plans):
     config, plan = memory_plans.plan_of(layout)
     assert layout.train_gpus + layout.vllm_gpus == 64 and plan.total() < 80e9
     training = config.training
-    assert (training.steps, training.group_size, training.prompts_per_step, training.lr) == (300, 16, 64, 1e-6)
+    assert (training.steps, training.group_size, training.prompts_per_step, training.lr) == (
+        300,
+        16,
+        64,
+        1e-6,
+    )
     assert config.evaluation.samples_per_prompt == 32 and config.evaluation.ks == [1, 32]
 
 
 def _launch(node_rank, *args, **env):
     environment = {**os.environ, **CLUSTER, "NODE_RANK": str(node_rank), "DRY_RUN": "1", **env}
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=environment, timeout=60)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=environment, timeout=60
+    )
 
 
 def test_the_launch_script_is_valid_bash_and_explains_itself():
@@ -87,7 +99,9 @@ def test_a_training_node_runs_torchrun_with_every_server_as_base_url():
     assert command[command.index("--nnodes") + 1] == "4" and command[command.index("--node-rank") + 1] == "1"
     overrides = [command[i + 1] for i, word in enumerate(command) if word == "--set"]
     config = load_config(ROOT / command[command.index("train") + 1], overrides)
-    assert config.inference.base_url == [f"http://node{n}:{port}" for n in (4, 5, 6, 7) for port in (8000, 8001)]
+    assert config.inference.base_url == [
+        f"http://node{n}:{port}" for n in (4, 5, 6, 7) for port in (8000, 8001)
+    ]
     assert config.inference.vllm.transport == "nccl" and config.training.steps == 2
 
 
@@ -99,12 +113,24 @@ def test_a_rollout_node_starts_its_servers_with_every_flag_llmrl_checks_for(tmp_
     config = load_config(ROOT / "examples" / "grpo_math_qwen32b.yaml")
     for port, server in zip((8000, 8001), servers, strict=True):
         assert "VLLM_SERVER_DEV_MODE=1" in server
-        vllm = VLLMConfig(transport=config.inference.vllm.transport, tensor_parallel_size=4, max_model_len=16384,
-                          host="0.0.0.0", python=sys.executable)  # fmt: skip
-        managed = VLLMServer(model=config.model.spec, dtype=config.model.dtype, config=vllm, port=port,
-                             log_path=tmp_path / "log", seed=0, devices="0,1,2,3").command()  # fmt: skip
-        script = server[server.index("-m"):]
-        assert script == managed[managed.index("-m"):]  # the flags a managed server gets, in the same order
+        vllm = VLLMConfig(
+            transport=config.inference.vllm.transport,
+            tensor_parallel_size=4,
+            max_model_len=16384,
+            host="0.0.0.0",
+            python=sys.executable,
+        )
+        managed = VLLMServer(
+            model=config.model.spec,
+            dtype=config.model.dtype,
+            config=vllm,
+            port=port,
+            log_path=tmp_path / "log",
+            seed=0,
+            devices="0,1,2,3",
+        ).command()
+        script = server[server.index("-m") :]
+        assert script == managed[managed.index("-m") :]  # the flags a managed server gets, in the same order
 
 
 def test_the_plans_in_docs_training_md_are_the_scripts(memory_plans, monkeypatch, capsys):

@@ -15,7 +15,9 @@ def clean_registry(monkeypatch):
 
 
 def test_builtin_names_are_listed():
-    assert {"arithmetic", "countdown", "math", "gsm8k", "code", "dataset", "remote"} <= set(registry.agent_names())
+    assert {"arithmetic", "countdown", "math", "gsm8k", "code", "dataset", "remote"} <= set(
+        registry.agent_names()
+    )
     assert {"local", "openai"} <= set(registry.inference_names())
 
 

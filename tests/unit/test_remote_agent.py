@@ -1,4 +1,5 @@
-"""RemoteAgent against an in-process environment server (httpx.ASGITransport) and against failing transports."""
+"""RemoteAgent against an in-process environment server (httpx.ASGITransport) and against failing
+transports."""
 
 import asyncio
 import time
@@ -73,7 +74,10 @@ def test_inside_weighted_multi_task_beside_a_local_agent():
     results = run(multi.evaluate(inference, 2, samples_per_prompt=2, ks=[1, 2], greedy=True))
     assert set(results) == {"echo", "far"}  # evaluation is reported under the local name
     assert results["far"].ks == [1, 2] and len(results["far"].results) == 2
-    assert evaluation_metrics(results["far"])["pass@2"] == 1.0 and evaluation_metrics(results["echo"])["pass@1"] == 1.0
+    assert (
+        evaluation_metrics(results["far"])["pass@2"] == 1.0
+        and evaluation_metrics(results["echo"])["pass@1"] == 1.0
+    )
 
     state = multi.state_dict()
     assert state["far"]["remote_env_id"] == "add2" and state["far"]["state"]["sampler"]["position"] == 2
@@ -273,5 +277,7 @@ def test_pass_at_k_wrapper_reports_the_callers_ks():
     agent = PassAtKAgent(remote(make_app()), n=4, ks=[1, 4], greedy=False)
     response = run(agent.evaluate(ScriptedEndpoint(), 2))
     assert (
-        response.ks == [1, 4] and evaluation_metrics(response)["pass@4"] == 1.0 and evaluation_metrics(response)["pass@1"] == 0.5
+        response.ks == [1, 4]
+        and evaluation_metrics(response)["pass@4"] == 1.0
+        and evaluation_metrics(response)["pass@1"] == 0.5
     )

@@ -57,13 +57,22 @@ def test_dapo_normalisation():
 
 
 def test_an_unknown_data_source_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"no built-in scorer for data_source 'my/data'; known: openai/gsm8k"):
+    with pytest.raises(
+        ValueError, match=r"no built-in scorer for data_source 'my/data'; known: openai/gsm8k"
+    ):
         default_compute_score("my/data", "x", "y")
 
 
 def sample(completion="57", prompt="What is 20 + 37?", **columns):
-    return Sample(prompt=prompt, completion=completion, completion_ids=[1, 2], ground_truth="57",
-                  data_source="arithmetic", extra_info={"index": 3}, columns=columns)
+    return Sample(
+        prompt=prompt,
+        completion=completion,
+        completion_ids=[1, 2],
+        ground_truth="57",
+        data_source="arithmetic",
+        extra_info={"index": 3},
+        columns=columns,
+    )
 
 
 def test_trl_style_functions_get_lists_and_columns_and_combine_by_weight():
@@ -82,8 +91,12 @@ def test_trl_style_functions_get_lists_and_columns_and_combine_by_weight():
     ]
     reward = combine(functions, sample(solution="57", topic="sums"))
     assert reward.value == 2.0 and reward.components == {"accuracy": 1.0}  # None: left out
-    assert seen == {"prompts": ["What is 20 + 37?"], "completions": ["57"], "completion_ids": [[1, 2]],
-                    "kwargs": {"topic": ["sums"]}}
+    assert seen == {
+        "prompts": ["What is 20 + 37?"],
+        "completions": ["57"],
+        "completion_ids": [[1, 2]],
+        "kwargs": {"topic": ["sums"]},
+    }
 
 
 def test_trl_conversational_completions_are_message_lists_and_unnamed_columns_are_not_passed():
@@ -97,8 +110,12 @@ def test_trl_conversational_completions_are_message_lists_and_unnamed_columns_ar
 
 def test_verl_style_functions_and_their_dict_results():
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-        return {"score": float(solution_str == ground_truth), "acc": True, "pred": solution_str,
-                "index": extra_info["index"]}
+        return {
+            "score": float(solution_str == ground_truth),
+            "acc": True,
+            "pred": solution_str,
+            "index": extra_info["index"],
+        }
 
     function = RewardFunction.from_config({"function": compute_score, "name": "exact"}, "r")
     assert function.style == "verl"
@@ -111,8 +128,14 @@ def test_verl_style_functions_and_their_dict_results():
     ("entry", "message"),
     [
         ({"function": lambda x, y: 0.0}, r"cannot tell the calling convention .*\['x', 'y'\].*style: trl"),
-        ({"function": "nowhere:accuracy"}, r"r\.function: 'nowhere:accuracy': module 'nowhere' is not a plug-in"),
-        ({"function": "accuracy_reward"}, r"r\.function: 'accuracy_reward' is not a built-in reward function"),
+        (
+            {"function": "nowhere:accuracy"},
+            r"r\.function: 'nowhere:accuracy': module 'nowhere' is not a plug-in",
+        ),
+        (
+            {"function": "accuracy_reward"},
+            r"r\.function: 'accuracy_reward' is not a built-in reward function",
+        ),
         ({"function": "math_dapo", "weight": "high"}, r"r\.weight: expected a finite number"),
         ({"function": "math_dapo", "style": "openrlhf"}, r"r\.style: expected one of \['trl', 'verl'\]"),
         ({"function": "math_dapo", "name": "mean"}, r"r\.name: 'mean' is taken"),
@@ -136,10 +159,12 @@ def test_bad_return_values_raise():
 
 
 def test_plugin_functions_resolve_only_from_plugin_modules(tmp_path, monkeypatch):
-    (tmp_path / "my_scores.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_scores.py").write_text(
+        textwrap.dedent("""
         def brevity(completions, **kwargs):
             return [1.0 / len(c) for c in completions]
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_plugin_modules", set())
     with pytest.raises(ValueError, match="not a plug-in of this config"):

@@ -9,11 +9,20 @@ from llmrl.types import RolloutGroup, TokenRollout
 
 
 def batch(step: int) -> BankedBatch:
-    rollout = TokenRollout(trajectory=[[1, 2], [3, 4]], generation_mask=[[False, False], [True, True]],
-                           logprobs=[[0.0, 0.0], [-0.1, -0.7]], reward=0.5, env_id="env", problem_id=f"p{step}",
-                           policy_version=step - 1)  # fmt: skip
-    return BankedBatch(step=step, groups=[RolloutGroup(group_id=f"env/{step}", rollouts=[rollout])],
-                       agent_state={"env": {"drawn": step}})  # fmt: skip
+    rollout = TokenRollout(
+        trajectory=[[1, 2], [3, 4]],
+        generation_mask=[[False, False], [True, True]],
+        logprobs=[[0.0, 0.0], [-0.1, -0.7]],
+        reward=0.5,
+        env_id="env",
+        problem_id=f"p{step}",
+        policy_version=step - 1,
+    )
+    return BankedBatch(
+        step=step,
+        groups=[RolloutGroup(group_id=f"env/{step}", rollouts=[rollout])],
+        agent_state={"env": {"drawn": step}},
+    )
 
 
 def test_batches_round_trip_exactly(tmp_path):

@@ -122,7 +122,9 @@ def test_writing_outside_the_temp_dir_is_refused(tmp_path, opener):
         f"import os\nTARGET = {str(outside[0])!r}\nopen('x', 'w').close()\nos.rename('x', TARGET)",
         "assert os.path.exists(TARGET)",
     )
-    assert renamed == 0 and "os.rename outside the sandbox" in result.stderr and not os.path.exists(outside[0])
+    assert (
+        renamed == 0 and "os.rename outside the sandbox" in result.stderr and not os.path.exists(outside[0])
+    )
     assert_unharmed()
 
 

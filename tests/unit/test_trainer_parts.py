@@ -34,7 +34,9 @@ from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 VOCAB = 48
 
 
-def rollout(prompt: list[int], completion: list[int], reward: float, *, env="env", truncated=False) -> TokenRollout:
+def rollout(
+    prompt: list[int], completion: list[int], reward: float, *, env="env", truncated=False
+) -> TokenRollout:
     return TokenRollout(
         trajectory=[prompt, completion],
         generation_mask=[[False] * len(prompt), [True] * len(completion)],
@@ -52,7 +54,12 @@ def random_groups(num_groups: int, group_size: int, seed: int = 0, env="env") ->
     for g in range(num_groups):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
         rollouts = [
-            rollout(prompt, [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))], float(rng.random() < 0.5), env=env)
+            rollout(
+                prompt,
+                [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))],
+                float(rng.random() < 0.5),
+                env=env,
+            )
             for _ in range(group_size)
         ]
         groups.append(RolloutGroup(group_id=f"{env}/{g}", rollouts=rollouts))
@@ -61,8 +68,15 @@ def random_groups(num_groups: int, group_size: int, seed: int = 0, env="env") ->
 
 def tiny_policy(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return Qwen2ForCausalLM(config).float()
 
 
@@ -74,8 +88,16 @@ def run_update(groups, *, algorithm=None, training=None, seed=0, skip=None, chec
         enable_activation_checkpointing(policy)
     # Plain SGD: Adam's first step is about lr * sign(gradient), which would magnify rounding noise.
     optimizer = torch.optim.SGD(policy.parameters(), lr=training.lr)
-    update = PolicyUpdate(policy, optimizer, algorithm=algorithm, training=training, generation_args=GenerationArgs(),
-                          max_tokens=8, pad_token_id=0, reference=tiny_policy(seed + 1) if algorithm.kl_beta else None)
+    update = PolicyUpdate(
+        policy,
+        optimizer,
+        algorithm=algorithm,
+        training=training,
+        generation_args=GenerationArgs(),
+        max_tokens=8,
+        pad_token_id=0,
+        reference=tiny_policy(seed + 1) if algorithm.kl_beta else None,
+    )
     if skip is not None:
         update.skip_zero_advantage = skip
     batch, _ = prepare_batch(groups, group_size=len(groups[0].rollouts), algorithm=algorithm, max_tokens=8)
@@ -93,9 +115,14 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e
 
 def test_prepare_batch_excludes_placeholders_and_gives_them_no_share_of_the_statistics():
     prompt = [1, 2, 3]
-    group = RolloutGroup(group_id="g", rollouts=[
-        rollout(prompt, [4], 1.0), rollout(prompt, [5], 0.0), placeholder_rollout("env", "p1", "boom"),
-    ])  # fmt: skip
+    group = RolloutGroup(
+        group_id="g",
+        rollouts=[
+            rollout(prompt, [4], 1.0),
+            rollout(prompt, [5], 0.0),
+            placeholder_rollout("env", "p1", "boom"),
+        ],
+    )
     batch, advantages = prepare_batch([group], group_size=3, algorithm=AlgorithmConfig(), max_tokens=8)
     assert len(batch) == 2 and advantages[2] == 0
     assert advantages[0] == pytest.approx(1.0, abs=1e-5) and advantages[1] == pytest.approx(-1.0, abs=1e-5)
@@ -103,10 +130,16 @@ def test_prepare_batch_excludes_placeholders_and_gives_them_no_share_of_the_stat
 
 def test_mask_truncated_drops_truncated_rollouts_from_the_loss_but_not_from_the_baseline():
     prompt = [1, 2]
-    group = RolloutGroup(group_id="g", rollouts=[
-        rollout(prompt, [3] * 8, 0.0, truncated=True), rollout(prompt, [4], 1.0),
-    ])  # fmt: skip
-    kept, advantages = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(mask_truncated=True), max_tokens=8)
+    group = RolloutGroup(
+        group_id="g",
+        rollouts=[
+            rollout(prompt, [3] * 8, 0.0, truncated=True),
+            rollout(prompt, [4], 1.0),
+        ],
+    )
+    kept, advantages = prepare_batch(
+        [group], group_size=2, algorithm=AlgorithmConfig(mask_truncated=True), max_tokens=8
+    )
     assert [r.num_generated for r in kept.rollouts] == [1] and advantages[0] < 0 < advantages[1]
     everything, _ = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
     assert len(everything) == 2
@@ -114,7 +147,9 @@ def test_mask_truncated_drops_truncated_rollouts_from_the_loss_but_not_from_the_
 
 def test_overlong_penalty_turns_equal_rewards_into_a_length_signal():
     prompt = [1, 2]
-    group = RolloutGroup(group_id="g", rollouts=[rollout(prompt, [3] * 8, 1.0), rollout(prompt, [4] * 2, 1.0)])
+    group = RolloutGroup(
+        group_id="g", rollouts=[rollout(prompt, [3] * 8, 1.0), rollout(prompt, [4] * 2, 1.0)]
+    )
     _, plain = prepare_batch([group], group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
     shaped_config = AlgorithmConfig(overlong_buffer=4, overlong_penalty=0.5)
     _, shaped = prepare_batch([group], group_size=2, algorithm=shaped_config, max_tokens=8)
@@ -155,7 +190,11 @@ def test_rollout_metrics_per_environment():
 def test_micro_batch_size_does_not_change_the_update():
     groups = random_groups(4, 4)
     big, big_metrics = run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=4096))
-    layouts = ({"micro_batch_tokens": 12}, {"micro_batch_tokens": 40, "pack_row_tokens": 10}, {"share_prefixes": False})
+    layouts = (
+        {"micro_batch_tokens": 12},
+        {"micro_batch_tokens": 40, "pack_row_tokens": 10},
+        {"share_prefixes": False},
+    )
     for layout in layouts:
         small, small_metrics = run_update(groups, training=TrainingConfig(lr=0.5, **layout))
         assert_same_weights(big, small)
@@ -203,9 +242,16 @@ def test_float32_master_weights_keep_updates_that_bfloat16_weights_round_away():
         policy = tiny_policy().to(master)
         before = [p.detach().clone() for p in policy.parameters()]
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-        update = PolicyUpdate(policy, optimizer, algorithm=AlgorithmConfig(), training=TrainingConfig(),
-                              generation_args=GenerationArgs(), max_tokens=8, pad_token_id=0,
-                              compute_dtype=torch.bfloat16)  # fmt: skip
+        update = PolicyUpdate(
+            policy,
+            optimizer,
+            algorithm=AlgorithmConfig(),
+            training=TrainingConfig(),
+            generation_args=GenerationArgs(),
+            max_tokens=8,
+            pad_token_id=0,
+            compute_dtype=torch.bfloat16,
+        )
         metrics = update(batch, torch.Generator().manual_seed(0))
         assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
         assert all(p.dtype == master for p in policy.parameters())
@@ -222,9 +268,16 @@ def test_autocast_runs_the_layers_in_the_compute_dtype_and_the_lm_head_in_float3
     policy.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.update(layer=o.dtype))
     groups = random_groups(2, 2)
     batch, _ = prepare_batch(groups, group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
-    update = PolicyUpdate(policy, torch.optim.SGD(policy.parameters(), lr=0.0), algorithm=AlgorithmConfig(),
-                          training=TrainingConfig(), generation_args=GenerationArgs(), max_tokens=8, pad_token_id=0,
-                          compute_dtype=torch.bfloat16)  # fmt: skip
+    update = PolicyUpdate(
+        policy,
+        torch.optim.SGD(policy.parameters(), lr=0.0),
+        algorithm=AlgorithmConfig(),
+        training=TrainingConfig(),
+        generation_args=GenerationArgs(),
+        max_tokens=8,
+        pad_token_id=0,
+        compute_dtype=torch.bfloat16,
+    )
     logits_dtypes = []
     original = torch.nn.functional.linear
 
@@ -247,8 +300,15 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
     groups = random_groups(6, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
     training = TrainingConfig(micro_batch_tokens=40, pack_row_tokens=10)
-    update = PolicyUpdate(tiny_policy(), None, algorithm=AlgorithmConfig(), training=training, generation_args=GenerationArgs(),
-                          max_tokens=8, pad_token_id=0)
+    update = PolicyUpdate(
+        tiny_policy(),
+        None,
+        algorithm=AlgorithmConfig(),
+        training=training,
+        generation_args=GenerationArgs(),
+        max_tokens=8,
+        pad_token_id=0,
+    )
     packed = list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
     longest = max(len(s) for s in batch.sequences)
     assert all(p.input_ids.numel() <= 40 and p.input_ids.shape[1] <= max(10, longest) for p in packed)
@@ -272,12 +332,22 @@ def test_models_with_sliding_window_attention_never_share_prefixes():
 
     assert not has_local_attention(Qwen2Config())
     assert has_local_attention(MistralConfig(sliding_window=4096))
-    assert has_local_attention(Qwen2Config(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2))
+    assert has_local_attention(
+        Qwen2Config(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
+    )
     groups = random_groups(3, 4)
     batch, _ = prepare_batch(groups, group_size=4, algorithm=AlgorithmConfig(), max_tokens=8)
+
     def layouts(policy):
-        update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(), generation_args=GenerationArgs(),
-                              max_tokens=8, pad_token_id=0)
+        update = PolicyUpdate(
+            policy,
+            None,
+            algorithm=AlgorithmConfig(),
+            training=TrainingConfig(),
+            generation_args=GenerationArgs(),
+            max_tokens=8,
+            pad_token_id=0,
+        )
         return list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
 
     assert any(p.attention_mask is not None for p in layouts(tiny_policy()))  # shared when it may
@@ -290,9 +360,15 @@ def test_models_with_sliding_window_attention_never_share_prefixes():
 
 def test_skipping_zero_advantage_rollouts_does_not_change_the_update():
     groups = random_groups(4, 4)
-    groups[0] = RolloutGroup(group_id="equal", rollouts=[
-        rollout([7, 8], [9, 10], 1.0), rollout([7, 8], [11], 1.0), rollout([7, 8], [12], 1.0), rollout([7, 8], [9], 1.0),
-    ])  # fmt: skip
+    groups[0] = RolloutGroup(
+        group_id="equal",
+        rollouts=[
+            rollout([7, 8], [9, 10], 1.0),
+            rollout([7, 8], [11], 1.0),
+            rollout([7, 8], [12], 1.0),
+            rollout([7, 8], [9], 1.0),
+        ],
+    )
     skipped, skipped_metrics = run_update(groups, skip=True)
     full, full_metrics = run_update(groups, skip=False)
     assert_same_weights(skipped, full)
@@ -310,7 +386,9 @@ def test_a_step_without_signal_leaves_the_weights_alone():
 def test_single_pass_ratio_is_one_and_extra_passes_move_it():
     groups = random_groups(4, 4)
     _, one = run_update(groups)
-    assert one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and one["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and one["approx_kl"] == pytest.approx(
+        0.0, abs=1e-9
+    )
     _, several = run_update(groups, training=TrainingConfig(lr=0.5, iterations=2, mini_batches=2))
     assert several["optimizer_steps"] == 4
     assert several["approx_kl"] > 0  # later mini-batches see a policy that moved since pi_old
@@ -326,7 +404,9 @@ def test_gradient_matches_the_plain_formula():
     loss = 0.0
     for r, advantage in zip(batch.rollouts, batch.advantages, strict=True):
         ids = torch.tensor([r.tokens])
-        logprobs = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        logprobs = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[
+            :, 0
+        ]
         mask = torch.tensor(r.mask[1:])
         loss = loss - advantage * logprobs[mask].sum()
     (loss / 3).backward()  # token_mean over the 3 completion tokens
@@ -341,7 +421,9 @@ def test_kl_penalty_uses_the_reference_model():
 
 
 def test_rollout_longer_than_the_micro_batch_budget_is_a_clear_error():
-    groups = [RolloutGroup(group_id="g", rollouts=[rollout([1] * 10, [3] * 5, 1.0), rollout([1] * 10, [4], 0.0)])]
+    groups = [
+        RolloutGroup(group_id="g", rollouts=[rollout([1] * 10, [3] * 5, 1.0), rollout([1] * 10, [4], 0.0)])
+    ]
     with pytest.raises(ValueError, match=r"training.micro_batch_tokens: a rollout of 15 tokens"):
         run_update(groups, training=TrainingConfig(lr=0.5, micro_batch_tokens=12))
 
@@ -359,7 +441,8 @@ def hand_written_lr_factor(step: int, training: TrainingConfig) -> float:
 def schedule_lrs(
     training: TrainingConfig, steps: int, *, resume_at: int | None = None, with_optimizer_state: bool = False
 ) -> list[float]:
-    """The learning rate of steps 0..steps-1 under `build_optimizer`'s schedule; with `resume_at`, the schedule
+    """The learning rate of steps 0..steps-1 under `build_optimizer`'s schedule; with `resume_at`, the
+    schedule
     is rebuilt there from the step, after loading the optimizer's saved state when `with_optimizer_state`
     (as a resume from a checkpoint does; the state carries the rate it was saved with)."""
     optimizer, schedule = build_optimizer(torch.nn.Linear(2, 2), training)
@@ -393,7 +476,10 @@ def test_lr_schedule_resumes_from_the_step_alone():
         training = TrainingConfig(lr=0.5, steps=8, warmup_steps=3, lr_schedule=schedule)
         whole = schedule_lrs(training, 8)
         for with_state in (False, True):
-            resumed = [schedule_lrs(training, 8, resume_at=step, with_optimizer_state=with_state) for step in range(8)]
+            resumed = [
+                schedule_lrs(training, 8, resume_at=step, with_optimizer_state=with_state)
+                for step in range(8)
+            ]
             assert all(lrs == whole for lrs in resumed), (schedule, with_state)
 
 
@@ -406,8 +492,15 @@ class FakeTokenizer:
 
 
 def save(run_dir, step, keep_last=2, **state):
-    return ckpt.save_checkpoint(run_dir, step, model=tiny_policy(), tokenizer=FakeTokenizer(),
-                                trainer_state={"step": step, **state}, config_yaml="seed: 0\n", keep_last=keep_last)
+    return ckpt.save_checkpoint(
+        run_dir,
+        step,
+        model=tiny_policy(),
+        tokenizer=FakeTokenizer(),
+        trainer_state={"step": step, **state},
+        config_yaml="seed: 0\n",
+        keep_last=keep_last,
+    )
 
 
 def test_checkpoints_keep_the_last_k_and_ignore_half_written_ones(tmp_path):
@@ -454,18 +547,36 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path):
 
 def test_a_checkpoint_exports_the_compute_dtype_and_keeps_the_master_weights(tmp_path):
     policy = tiny_policy()
-    folder = ckpt.save_checkpoint(tmp_path, 1, model=policy, tokenizer=FakeTokenizer(), trainer_state={},
-                                  config_yaml="", keep_last=1, dtype=torch.bfloat16)  # fmt: skip
+    folder = ckpt.save_checkpoint(
+        tmp_path,
+        1,
+        model=policy,
+        tokenizer=FakeTokenizer(),
+        trainer_state={},
+        config_yaml="",
+        keep_last=1,
+        dtype=torch.bfloat16,
+    )
     exported = Qwen2ForCausalLM.from_pretrained(folder / "model", dtype="auto")
     assert exported.dtype == torch.bfloat16  # what vLLM and transformers load by default
-    torch.testing.assert_close(exported.lm_head.weight, policy.lm_head.weight.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(
+        exported.lm_head.weight, policy.lm_head.weight.to(torch.bfloat16), rtol=0, atol=0
+    )
     restored = Qwen2ForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
     assert not torch.equal(restored.lm_head.weight, policy.lm_head.weight)  # rounded through bfloat16
     ckpt.load_master_weights(folder, restored)
     assert_same_weights(restored, policy, atol=0)
     # Weights already in the compute dtype are not written twice.
-    same = ckpt.save_checkpoint(tmp_path, 2, model=policy, tokenizer=FakeTokenizer(), trainer_state={},
-                                config_yaml="", keep_last=1, dtype=torch.float32)  # fmt: skip
+    same = ckpt.save_checkpoint(
+        tmp_path,
+        2,
+        model=policy,
+        tokenizer=FakeTokenizer(),
+        trainer_state={},
+        config_yaml="",
+        keep_last=1,
+        dtype=torch.float32,
+    )
     assert not (same / ckpt.MASTER_WEIGHTS).exists()
 
 
@@ -479,7 +590,9 @@ def test_sharded_state_resumes_in_one_process(tmp_path):
     assert ckpt.has_sharded_state(tmp_path)
     restored = tiny_policy(seed=1)
     restored_optimizer, _ = build_optimizer(restored, TrainingConfig(lr=1e-3))
-    assert ckpt.load_optimizer(tmp_path, {"sharded_optimizer": True}, restored, restored_optimizer, sharded_model=False)
+    assert ckpt.load_optimizer(
+        tmp_path, {"sharded_optimizer": True}, restored, restored_optimizer, sharded_model=False
+    )
     assert_same_weights(restored, policy, atol=0)
     expected, actual = optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"]
     assert torch.equal(actual[0]["exp_avg"], expected[0]["exp_avg"]) and float(actual[0]["step"]) == 1.0
@@ -509,9 +622,30 @@ def test_split_by_tokens_balances_and_keeps_every_position_once():
 
 def test_metric_totals_of_shares_combine_into_the_totals_of_the_whole():
     micro_batches = [
-        {"loss": 0.5, "pg_loss": 0.4, "entropy": 1.0, "is_weight_max": 1.5, "num_tokens": 10.0, "num_sequences": 2.0},
-        {"loss": -0.25, "pg_loss": -0.2, "entropy": 3.0, "is_weight_max": 2.0, "num_tokens": 30.0, "num_sequences": 3.0},
-        {"loss": 0.125, "pg_loss": 0.1, "entropy": 2.0, "is_weight_max": 1.0, "num_tokens": 20.0, "num_sequences": 1.0},
+        {
+            "loss": 0.5,
+            "pg_loss": 0.4,
+            "entropy": 1.0,
+            "is_weight_max": 1.5,
+            "num_tokens": 10.0,
+            "num_sequences": 2.0,
+        },
+        {
+            "loss": -0.25,
+            "pg_loss": -0.2,
+            "entropy": 3.0,
+            "is_weight_max": 2.0,
+            "num_tokens": 30.0,
+            "num_sequences": 3.0,
+        },
+        {
+            "loss": 0.125,
+            "pg_loss": 0.1,
+            "entropy": 2.0,
+            "is_weight_max": 1.0,
+            "num_tokens": 20.0,
+            "num_sequences": 1.0,
+        },
     ]
     whole = _MetricTotals()
     shares = [_MetricTotals(), _MetricTotals()]
@@ -530,8 +664,15 @@ def test_metric_totals_of_shares_combine_into_the_totals_of_the_whole():
 
 
 def test_tied_duplicates_names_the_aliases_of_tied_embeddings():
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     assert tied_duplicates(Qwen2ForCausalLM(config)) == {"lm_head.weight"}
     assert tied_duplicates(tiny_policy()) == set()
 
@@ -539,15 +680,26 @@ def test_tied_duplicates_names_the_aliases_of_tied_embeddings():
 def test_each_rollout_gets_logprobs_of_its_own_sampling_options():
     """Rollouts of one packed batch sampled differently (temperature, filters) each get the logprobs
     of their own distribution, the same as a forward pass of that rollout alone."""
-    options = [GenerationArgs(temperature=0.5, top_k=5), GenerationArgs(), GenerationArgs(temperature=1.5, min_p=0.05),
-               GenerationArgs(temperature=0.8, top_p=0.6)]
+    options = [
+        GenerationArgs(temperature=0.5, top_k=5),
+        GenerationArgs(),
+        GenerationArgs(temperature=1.5, min_p=0.05),
+        GenerationArgs(temperature=0.8, top_p=0.6),
+    ]
     groups = random_groups(4, 2, seed=3)
     for group, args in zip(groups, options, strict=True):
         group.rollouts[:] = [r.model_copy(update={"generation_args": args}) for r in group.rollouts]
     batch, _ = prepare_batch(groups, group_size=2, algorithm=AlgorithmConfig(), max_tokens=8)
     policy = tiny_policy()
-    update = PolicyUpdate(policy, None, algorithm=AlgorithmConfig(), training=TrainingConfig(micro_batch_tokens=4096),
-                          generation_args=GenerationArgs(), max_tokens=8, pad_token_id=0)
+    update = PolicyUpdate(
+        policy,
+        None,
+        algorithm=AlgorithmConfig(),
+        training=TrainingConfig(micro_batch_tokens=4096),
+        generation_args=GenerationArgs(),
+        max_tokens=8,
+        pad_token_id=0,
+    )
     update._sampling = sampling_params([r.generation_args for r in batch.rollouts], ["r"] * len(batch))
     packed = update._sequence_logprobs(policy, batch.sequences, batch.loss_masks, range(len(batch)))
     for i, rollout in enumerate(batch.rollouts):
@@ -562,9 +714,15 @@ def test_each_rollout_gets_logprobs_of_its_own_sampling_options():
 def test_sampling_params_are_one_temperature_when_all_rollouts_agree_and_refuse_what_the_trainer_cannot_follow():
     assert sampling_params([GenerationArgs(temperature=0.7)] * 3, ["a", "b", "c"]) == 0.7
     mixed = sampling_params([GenerationArgs(temperature=0.7), GenerationArgs(top_p=0.9)], ["a", "b"])
-    assert mixed.temperature.tolist() == pytest.approx([0.7, 1.0]) and mixed.top_k is None and mixed.min_p is None
+    assert (
+        mixed.temperature.tolist() == pytest.approx([0.7, 1.0])
+        and mixed.top_k is None
+        and mixed.min_p is None
+    )
     assert mixed.top_p.tolist() == pytest.approx([1.0, 0.9])
-    with pytest.raises(ValueError, match=r"math problem 3 was sampled with \{'repetition_penalty': 1.2\}.*evaluation_only"):
+    with pytest.raises(
+        ValueError, match=r"math problem 3 was sampled with \{'repetition_penalty': 1.2\}.*evaluation_only"
+    ):
         sampling_params([GenerationArgs(), GenerationArgs(repetition_penalty=1.2)], ["a", "math problem 3"])
     with pytest.raises(ValueError, match="decoded greedily"):
         sampling_params([GenerationArgs(temperature=0)], ["a"])

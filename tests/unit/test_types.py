@@ -31,14 +31,24 @@ def _token_rollout(**overrides):
 
 
 EXAMPLES = [
-    GenerationArgs(temperature=0.7, top_p=0.9, top_k=5, max_tokens=12, stop=("\n",), stop_token_ids=(2,), seed=7),
+    GenerationArgs(
+        temperature=0.7, top_p=0.9, top_k=5, max_tokens=12, stop=("\n",), stop_token_ids=(2,), seed=7
+    ),
     ChatMessage(role="user", content="hi"),
     InferenceRequest(prompt="What is 1+1?", n=4),
-    InferenceRequest(prompt=[ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="2+2?")]),
-    InferenceResponse(text="4", prompt_token_ids=[1, 2], token_ids=[9, 3], logprobs=[-0.1, -0.2], finish_reason="stop"),
+    InferenceRequest(
+        prompt=[ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="2+2?")]
+    ),
+    InferenceResponse(
+        text="4", prompt_token_ids=[1, 2], token_ids=[9, 3], logprobs=[-0.1, -0.2], finish_reason="stop"
+    ),
     _token_rollout(),
-    RolloutGroup(group_id="g0", rollouts=[_token_rollout(), _token_rollout(reward=0.0, status="placeholder")]),
-    EvaluationResult(problem_id="p", prompt="2+2?", completions=["4", "5"], rewards=[1.0, 0.0], greedy_reward=1.0),
+    RolloutGroup(
+        group_id="g0", rollouts=[_token_rollout(), _token_rollout(reward=0.0, status="placeholder")]
+    ),
+    EvaluationResult(
+        problem_id="p", prompt="2+2?", completions=["4", "5"], rewards=[1.0, 0.0], greedy_reward=1.0
+    ),
     EvaluationResponse(
         env_id="e", results=[EvaluationResult(problem_id="p", prompt="x", completions=["a"], rewards=[0.5])]
     ),
@@ -111,7 +121,9 @@ def test_chat_message_role_is_checked():
 
 def test_response_needs_one_logprob_per_token():
     with pytest.raises(ValidationError, match="one logprob per completion token"):
-        InferenceResponse(text="", prompt_token_ids=[1], token_ids=[1, 2], logprobs=[0.0], finish_reason="stop")
+        InferenceResponse(
+            text="", prompt_token_ids=[1], token_ids=[1, 2], logprobs=[0.0], finish_reason="stop"
+        )
     with pytest.raises(ValidationError) as info:
         InferenceResponse(text="", prompt_token_ids=[1], token_ids=[], finish_reason="done")
     assert info.value.errors()[0]["loc"] == ("finish_reason",)

@@ -30,8 +30,11 @@ class ScriptedVLLM:
     """Answers like a vLLM server in dev mode with llmrl's extension; records every call."""
 
     def __init__(self, **facts: Any):
-        self.facts = {"logprobs_mode": "processed_logprobs", "weight_transfer_backend": "llmrl",
-                      "manifest": MANIFEST} | facts  # fmt: skip
+        self.facts = {
+            "logprobs_mode": "processed_logprobs",
+            "weight_transfer_backend": "llmrl",
+            "manifest": MANIFEST,
+        } | facts
         self.calls: list[str] = []
         self.weight_version: str | None = None
         self.fail: dict[str, int] = {}  # path -> status to answer with
@@ -58,8 +61,12 @@ class ScriptedVLLM:
 
 
 def interface(server: ScriptedVLLM, bucket_mb: int = 512, **config: Any) -> VLLMInterface:
-    return VLLMInterface(["http://vllm:8000"], config=VLLMConfig(**config), bucket_mb=bucket_mb,
-                         transport=httpx.MockTransport(server))  # fmt: skip
+    return VLLMInterface(
+        ["http://vllm:8000"],
+        config=VLLMConfig(**config),
+        bucket_mb=bucket_mb,
+        transport=httpx.MockTransport(server),
+    )
 
 
 def test_a_sync_walks_vllm_rl_routes_in_order_and_confirms_the_version():
@@ -67,8 +74,15 @@ def test_a_sync_walks_vllm_rl_routes_in_order_and_confirms_the_version():
     vllm = interface(server, bucket_mb=1)
     server.calls.clear()
     vllm.update_weights(STATE, version=3)
-    assert server.calls == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                            "/reset_prefix_cache", "/resume", "/weight_info"]  # fmt: skip
+    assert server.calls == [
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+        "/weight_info",
+    ]
     assert server.weight_version == "3" and vllm.policy_version == 3
     server.calls.clear()
     vllm.update_weights(STATE, version=3)  # the served version again: nothing to do
@@ -130,8 +144,10 @@ def test_streamed_buckets_are_checked_as_a_whole_then_sent_one_request_each():
     sizes = {name: t.numel() * 4 for name, t in STATE.items()}
     parts = [{name: STATE[name] for name in names} for names in weight_buckets(list(STATE), sizes, 100)]
     assert len(parts) > 2
-    for message, broken in {"missing": parts[:-1], "NaN": [*parts[:-1], {n: t * float("nan") for n, t in
-                                                                          parts[-1].items()}]}.items():  # fmt: skip
+    for message, broken in {
+        "missing": parts[:-1],
+        "NaN": [*parts[:-1], {n: t * float("nan") for n, t in parts[-1].items()}],
+    }.items():
         server.calls.clear()
         with pytest.raises(ValueError, match=message):
             vllm.update_weights(iter(broken), version=1)
@@ -153,11 +169,22 @@ def test_buckets_are_bounded_and_never_split_a_layer():
 
 def test_config_picks_external_servers_from_base_url_and_validates_the_section():
     environments = [{"agent_type": "arithmetic"}]
-    config = config_from_dict({"environments": environments, "inference": {
-        "type": "vllm", "base_url": ["http://a:1", "http://b:2"], "weight_sync_bucket_mb": 64, "vllm": {"transport": "disk"}}})
+    config = config_from_dict(
+        {
+            "environments": environments,
+            "inference": {
+                "type": "vllm",
+                "base_url": ["http://a:1", "http://b:2"],
+                "weight_sync_bucket_mb": 64,
+                "vllm": {"transport": "disk"},
+            },
+        }
+    )
     assert isinstance(config.inference, InferenceConfig) and config.inference.vllm.transport == "disk"
     with pytest.raises(ValueError, match="inference.vllm.transport"):
-        config_from_dict({"environments": environments, "inference": {"vllm": {"transport": "carrier-pigeon"}}})
+        config_from_dict(
+            {"environments": environments, "inference": {"vllm": {"transport": "carrier-pigeon"}}}
+        )
     with pytest.raises(ValueError, match="weights_dir"):
         VLLMInterface(["http://a:1"], config=VLLMConfig(transport="disk"))
 
@@ -182,7 +209,7 @@ def test_an_incompatible_server_is_one_user_error_naming_every_missing_flag_and_
     assert "VLLM_SERVER_DEV_MODE" not in lacks and "--worker-extension-cls" not in lacks
     assert message.endswith(
         "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs --worker-extension-cls "
-        "llmrl.weights.vllm_worker.LlmrlWorkerExtension --weight-transfer-config '{\"backend\": \"llmrl\"}'"
+        'llmrl.weights.vllm_worker.LlmrlWorkerExtension --weight-transfer-config \'{"backend": "llmrl"}\''
     )
 
 
@@ -191,7 +218,9 @@ def test_llmrl_train_against_an_incompatible_server_exits_2_with_one_line(monkey
     from llmrl.inference.vllm import IncompatibleServerError
 
     def refuse(*args, **kwargs):
-        raise IncompatibleServerError("vLLM at http://h:1 cannot be trained from; it lacks: X. Start it as: Y")
+        raise IncompatibleServerError(
+            "vLLM at http://h:1 cannot be trained from; it lacks: X. Start it as: Y"
+        )
 
     monkeypatch.setattr("llmrl.trainer.Trainer", refuse)
     assert cli.main(["train"]) == 2
@@ -237,8 +266,9 @@ class FakeServer:
 def test_a_restarted_managed_server_is_announced_in_one_line(caplog):
     server = ScriptedVLLM()
     managed = FakeServer()
-    vllm = VLLMInterface(["http://vllm:8000"], config=VLLMConfig(), servers=[managed],
-                         transport=httpx.MockTransport(server))  # fmt: skip
+    vllm = VLLMInterface(
+        ["http://vllm:8000"], config=VLLMConfig(), servers=[managed], transport=httpx.MockTransport(server)
+    )
     vllm.update_weights(STATE, version=4)
     managed.up = False
     endpoint = vllm._endpoints[0]
@@ -247,6 +277,8 @@ def test_a_restarted_managed_server_is_announced_in_one_line(caplog):
             assert vllm._recover(endpoint, "a request failed (ConnectError)")
             managed.up = True
     lines = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
-    assert lines == ["vLLM server 0 at http://vllm:8000 restarted (restart 1 of 3): a request failed (ConnectError), "
-                     "it was killed by SIGKILL; given weights version 4"]  # fmt: skip
+    assert lines == [
+        "vLLM server 0 at http://vllm:8000 restarted (restart 1 of 3): a request failed (ConnectError), "
+        "it was killed by SIGKILL; given weights version 4"
+    ]
     assert endpoint.restarts == 1 and server.weight_version == "4"

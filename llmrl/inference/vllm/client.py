@@ -94,13 +94,21 @@ class VLLMInterface:
         self._endpoints = [
             Endpoint(
                 url=url.rstrip("/").removesuffix("/v1"),
-                client=OpenAIInterface(url, api_key=api_key, timeout_s=request_timeout_s,
-                                       max_concurrent=max_concurrent, max_retries=retries, transport=transport),
+                client=OpenAIInterface(
+                    url,
+                    api_key=api_key,
+                    timeout_s=request_timeout_s,
+                    max_concurrent=max_concurrent,
+                    max_retries=retries,
+                    transport=transport,
+                ),
                 server=servers[i] if servers else None,
             )
             for i, url in enumerate(base_urls)
-        ]  # fmt: skip
-        settings = ControlSettings(config.control_timeout_s, weight_sync_timeout_s, config.pause_mode, api_key, transport)
+        ]
+        settings = ControlSettings(
+            config.control_timeout_s, weight_sync_timeout_s, config.pause_mode, api_key, transport
+        )
         self._routes = [VLLMRoutes(endpoint, settings) for endpoint in self._endpoints]
         try:
             for routes in self._routes:
@@ -117,9 +125,14 @@ class VLLMInterface:
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
         logging to ``run_dir/vllm/`` (a temporary folder without a run)."""
         vllm = config.vllm
-        common = dict(config=vllm, request_timeout_s=config.request_timeout_s, max_concurrent=config.max_concurrent,
-                      weight_sync_timeout_s=config.weight_sync_timeout_s, bucket_mb=config.weight_sync_bucket_mb,
-                      api_key=api_key_from_env(config))  # fmt: skip
+        common = dict(
+            config=vllm,
+            request_timeout_s=config.request_timeout_s,
+            max_concurrent=config.max_concurrent,
+            weight_sync_timeout_s=config.weight_sync_timeout_s,
+            bucket_mb=config.weight_sync_bucket_mb,
+            api_key=api_key_from_env(config),
+        )
         if config.base_url:
             urls = config.base_url if isinstance(config.base_url, list) else [config.base_url]
             return cls(urls, weights_dir=config.weights_dir, **common)
@@ -131,8 +144,15 @@ class VLLMInterface:
             for index in range(vllm.num_servers):
                 port = vllm.port + index if vllm.port else free_port(vllm.host)
                 devices = server_devices(index, vllm.tensor_parallel_size)
-                server = VLLMServer(model=served, dtype=model.dtype, config=vllm, port=port, seed=seed,
-                                    log_path=folder / f"server-{index}.log", devices=devices)  # fmt: skip
+                server = VLLMServer(
+                    model=served,
+                    dtype=model.dtype,
+                    config=vllm,
+                    port=port,
+                    seed=seed,
+                    log_path=folder / f"server-{index}.log",
+                    devices=devices,
+                )
                 servers.append(server)
                 server.spawn()
             for server in servers:  # they start side by side
@@ -241,10 +261,21 @@ class VLLMInterface:
                     version, buckets = target
                     run_in_new_loop(routes.sync(buckets, version))
                 if restart:
-                    given = f"weights version {target[0]}" if target is not None else "its own weights (none synced yet)"
-                    log.warning("vLLM server %d at %s restarted (restart %d of %d): %s, %s; given %s",
-                                self._endpoints.index(endpoint), endpoint.url, endpoint.restarts,
-                                self.config.max_restarts, why, state, given)  # fmt: skip
+                    given = (
+                        f"weights version {target[0]}"
+                        if target is not None
+                        else "its own weights (none synced yet)"
+                    )
+                    log.warning(
+                        "vLLM server %d at %s restarted (restart %d of %d): %s, %s; given %s",
+                        self._endpoints.index(endpoint),
+                        endpoint.url,
+                        endpoint.restarts,
+                        self.config.max_restarts,
+                        why,
+                        state,
+                        given,
+                    )
             finally:
                 endpoint.open.set()
             return True
@@ -282,8 +313,13 @@ class VLLMInterface:
                 if self.config.transport == "nccl":
                     state |= part
                 else:
-                    buckets += serialised_buckets(part, self.bucket_bytes, folder=folder, prefix=f"llmrl-v{version}-",
-                                                  first_index=len(buckets))  # fmt: skip
+                    buckets += serialised_buckets(
+                        part,
+                        self.bucket_bytes,
+                        folder=folder,
+                        prefix=f"llmrl-v{version}-",
+                        first_index=len(buckets),
+                    )
             for manifest, url in manifests:
                 check_names(names, manifest, url)
         except BaseException:
@@ -301,12 +337,17 @@ class VLLMInterface:
     async def _sync_all(self, buckets: list[Bucket], version: int) -> None:
         syncs = [self._gated(routes, buckets, version) for routes in self._routes]
         results = await asyncio.gather(*syncs, return_exceptions=True)
-        failures = [(r, e) for r, e in zip(self._routes, results, strict=True) if isinstance(e, BaseException)]
+        failures = [
+            (r, e) for r, e in zip(self._routes, results, strict=True) if isinstance(e, BaseException)
+        ]
         for routes, error in failures:
             why = f"a weight sync failed ({error})"
             if not await asyncio.to_thread(self._recover, routes.endpoint, why, (version, buckets)):
-                raise error if isinstance(error, WeightSyncError) else WeightSyncError(
-                    f"weight sync to vLLM at {routes.url} failed: {error}")  # fmt: skip
+                raise (
+                    error
+                    if isinstance(error, WeightSyncError)
+                    else WeightSyncError(f"weight sync to vLLM at {routes.url} failed: {error}")
+                )
 
     async def _gated(self, routes: VLLMRoutes, buckets: list[Bucket], version: int) -> None:
         routes.endpoint.open.clear()  # requests from now on wait, and get the new version

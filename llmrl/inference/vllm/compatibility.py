@@ -32,14 +32,20 @@ async def check_trainable(routes: VLLMRoutes, config: VLLMConfig) -> dict[str, A
     facts: dict[str, Any] = {}
     missing: list[str] = []
     if await _route_missing(routes, "GET", "/weight_info"):
-        missing.append("VLLM_SERVER_DEV_MODE=1 in its environment (the other settings are read through its routes)")
+        missing.append(
+            "VLLM_SERVER_DEV_MODE=1 in its environment (the other settings are read through its routes)"
+        )
     else:
         try:
-            facts = (await routes.call("POST", "/collective_rpc", json={"method": "llmrl_server_facts"}))["results"][0]
+            facts = (await routes.call("POST", "/collective_rpc", json={"method": "llmrl_server_facts"}))[
+                "results"
+            ][0]
         except WeightSyncError as exc:
             if exc.status is None:
                 raise InferenceServerError(str(exc)) from None
-            missing.append(f"--worker-extension-cls {EXTENSION_CLASS} (the other settings are read through it)")
+            missing.append(
+                f"--worker-extension-cls {EXTENSION_CLASS} (the other settings are read through it)"
+            )
     if facts:
         missing += _missing_settings(facts, config)
     if missing:
@@ -57,7 +63,7 @@ def _missing_settings(facts: dict[str, Any], config: VLLMConfig) -> list[str]:
     wanted = transfer_backend(config)
     if facts.get("weight_transfer_backend") != wanted:
         missing.append(
-            f"--weight-transfer-config '{{\"backend\": \"{wanted}\"}}' for transport {config.transport!r} "
+            f'--weight-transfer-config \'{{"backend": "{wanted}"}}\' for transport {config.transport!r} '
             f"(it has backend {facts.get('weight_transfer_backend')!r})"
         )
     elif config.transport != "nccl" and not isinstance(facts.get("manifest"), dict):

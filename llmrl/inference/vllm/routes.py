@@ -72,20 +72,29 @@ class VLLMRoutes:
 
     def client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
-        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.settings.control_timeout_s,
-                                 transport=self.settings.transport)  # fmt: skip
+        return httpx.AsyncClient(
+            base_url=self.url,
+            headers=headers,
+            timeout=self.settings.control_timeout_s,
+            transport=self.settings.transport,
+        )
 
-    async def call(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> dict[str, Any]:
+    async def call(
+        self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """One control call under its timeout; `WeightSyncError` names the server and the call."""
         policy = RetryPolicy(timeout_s or self.settings.control_timeout_s)
         try:
             async with self.client() as client:
-                answer = await send(client, method, path, policy, on_answer=self.endpoint.reachability.observe, **kwargs)
+                answer = await send(
+                    client, method, path, policy, on_answer=self.endpoint.reachability.observe, **kwargs
+                )
         except HTTPRequestError as exc:
             if exc.status is None:
                 raise WeightSyncError(f"vLLM at {self.url}: {method} {path} failed: {exc.failure}") from None
             raise WeightSyncError(
-                f"vLLM at {self.url}: {method} {path} answered {exc.status}: {exc.detail[:500]}", status=exc.status
+                f"vLLM at {self.url}: {method} {path} answered {exc.status}: {exc.detail[:500]}",
+                status=exc.status,
             ) from None
         try:
             data = answer.json()
@@ -119,8 +128,12 @@ class VLLMRoutes:
         await self.call("POST", "/start_weight_update")
 
     async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        await self.call("POST", "/update_weights", json={"update_info": update_info},
-                        timeout_s=self.settings.transfer_timeout_s)  # fmt: skip
+        await self.call(
+            "POST",
+            "/update_weights",
+            json={"update_info": update_info},
+            timeout_s=self.settings.transfer_timeout_s,
+        )
 
     async def end(self, version: int) -> None:
         """Finish the update as `version`, resume (whatever happened) and confirm the version."""
@@ -130,12 +143,18 @@ class VLLMRoutes:
             await self.resume()
         served = (await self.call("GET", "/weight_info")).get("weight_version")
         if served != str(version):
-            raise WeightSyncError(f"vLLM at {self.url} reports weight version {served!r} after syncing {version}")
+            raise WeightSyncError(
+                f"vLLM at {self.url} reports weight version {served!r} after syncing {version}"
+            )
         self.endpoint.version = version
 
     async def _finish(self, version: int) -> None:
-        await self.call("POST", "/finish_weight_update", json={"weight_version": str(version)},
-                        timeout_s=self.settings.transfer_timeout_s)  # fmt: skip
+        await self.call(
+            "POST",
+            "/finish_weight_update",
+            json={"weight_version": str(version)},
+            timeout_s=self.settings.transfer_timeout_s,
+        )
         for _ in range(20):  # fails while blocks are held; none are after a `wait`/`abort` pause
             answer = await self.call("POST", "/reset_prefix_cache")
             if answer.get("success", True):
@@ -160,5 +179,9 @@ class VLLMRoutes:
         return int((await self.call("GET", "/get_world_size"))["world_size"])
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
-        await self.call("POST", "/init_weight_transfer_engine", json={"init_info": init_info},
-                        timeout_s=self.settings.transfer_timeout_s)  # fmt: skip
+        await self.call(
+            "POST",
+            "/init_weight_transfer_engine",
+            json={"init_info": init_info},
+            timeout_s=self.settings.transfer_timeout_s,
+        )

@@ -36,17 +36,23 @@ def transfer_backend(config: VLLMConfig) -> str:
 def training_flags(config: VLLMConfig) -> list[str]:
     """The server flags training needs (besides VLLM_SERVER_DEV_MODE=1 in its environment)."""
     return [
-        "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", EXTENSION_CLASS,
-        "--weight-transfer-config", f'{{"backend": "{transfer_backend(config)}"}}',
-    ]  # fmt: skip
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        EXTENSION_CLASS,
+        "--weight-transfer-config",
+        f'{{"backend": "{transfer_backend(config)}"}}',
+    ]
 
 
 def find_vllm_python(configured: str | None) -> str:
     """The interpreter that runs managed servers (see `VLLMConfig.python` for the search order)."""
     import importlib.util
 
-    named = [(configured, "inference.vllm.python"), (os.environ.get("LLMRL_VLLM_PYTHON"), "$LLMRL_VLLM_PYTHON")]
+    named = [
+        (configured, "inference.vllm.python"),
+        (os.environ.get("LLMRL_VLLM_PYTHON"), "$LLMRL_VLLM_PYTHON"),
+    ]
     for python, origin in named:
         if python:  # named by the user: it must be there
             if not (Path(python).is_file() and os.access(python, os.X_OK)):
@@ -69,9 +75,16 @@ class VLLMServer:
     (with every process it started) on `stop`, at interpreter exit, or when this process dies."""
 
     def __init__(
-        self, *, model: str, dtype: str, config: VLLMConfig, port: int, log_path: Path, seed: int,
+        self,
+        *,
+        model: str,
+        dtype: str,
+        config: VLLMConfig,
+        port: int,
+        log_path: Path,
+        seed: int,
         devices: str | None = None,
-    ):  # fmt: skip
+    ):
         self.model = model
         self.dtype = dtype
         self.config = config
@@ -93,13 +106,25 @@ class VLLMServer:
     def command(self) -> list[str]:
         """The server's command line: the flags training needs, then `extra_args`."""
         command = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--dtype", self.dtype, "--seed", str(self.seed),
-            "--host", self.config.host, "--port", str(self.port),
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed),
+            "--host",
+            self.config.host,
+            "--port",
+            str(self.port),
             *training_flags(self.config),
-            "--tensor-parallel-size", str(self.config.tensor_parallel_size),
-            "--gpu-memory-utilization", str(self.config.gpu_memory_utilization),
-        ]  # fmt: skip
+            "--tensor-parallel-size",
+            str(self.config.tensor_parallel_size),
+            "--gpu-memory-utilization",
+            str(self.config.gpu_memory_utilization),
+        ]
         if self.config.max_model_len is not None:
             command += ["--max-model-len", str(self.config.max_model_len)]
         if self.devices is None:
@@ -131,16 +156,23 @@ class VLLMServer:
             log.write(f"\n==== llmrl: starting {' '.join(self.command())}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
-            )  # fmt: skip
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         with httpx.Client(base_url=self.base_url, timeout=5) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
-                    raise VLLMStartError(f"the vLLM server on port {self.port} exited while starting{self._log_tail()}")
+                    raise VLLMStartError(
+                        f"the vLLM server on port {self.port} exited while starting{self._log_tail()}"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get("/health").status_code == 200:
                         return
