@@ -266,6 +266,7 @@ def training(
         compute_dtype=torch.bfloat16,
         world_size=1,
         micro_batch_tokens=config.micro_batch_tokens,
+        row_tokens=config.pack_row_tokens,
         activation_checkpointing=checkpointing,
         reference_model=False,
         engine_tokens=None,

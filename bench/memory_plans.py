@@ -110,6 +110,7 @@ def settings_of(config: RunConfig, world_size: int) -> MemorySettings:
         compute_dtype=DTYPES[config.model.dtype],
         world_size=world_size,
         micro_batch_tokens=config.training.micro_batch_tokens,
+        row_tokens=config.training.pack_row_tokens,
         activation_checkpointing=config.training.activation_checkpointing,
         reference_model=config.algorithm.kl_beta > 0,
         engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,

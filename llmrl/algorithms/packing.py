@@ -434,3 +434,14 @@ def unpack(values: torch.Tensor, batch: PackedBatch) -> dict[int, torch.Tensor]:
         parts = [values[row, start:stop] for row, start, stop in pieces]
         out[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out
+
+
+def has_local_attention(config: object) -> bool:
+    """Whether a model config has sliding-window (local) attention layers."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    return (
+        bool(getattr(config, "sliding_window", None))
+        and getattr(config, "use_sliding_window", True) is not False
+    )

@@ -5,17 +5,23 @@ moments (all sharded over the ranks under torchrun), the compute-dtype copies th
 (autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
 cache, and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
-GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the device's
-memory, naming
-the settings that would fit (`MemoryPlan.check`).
+GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the
+device's memory, naming the settings that would fit (`MemoryPlan.check`).
 
-Activations are an estimate for decoder-only transformers: per token and layer, what autograd keeps
-of the attention block (the layer input, the normalised input, q, k, v, the attention output) and of
-a gated MLP (gate, up, their product), in the compute dtype, plus the float32 inputs of the two
-RMS norms; with activation checkpointing, each layer's input alone, plus one layer's activations
-while it is recomputed. The LM head's logits are computed in chunks (`llmrl.algorithms.logprobs`),
-so they add a bounded amount. On CPU the process's own memory before the model loads (Python,
-torch, transformers) is part of the plan, as it is part of the resident set measured.
+Activations are what autograd keeps of a decoder-only transformer, counted per token and layer from
+the tensors it saves (census on CPU and on an H200, docs/benchmarks.md): in the compute dtype, two
+hidden-wide tensors (the inputs of the output and down projections' neighbours), three more under
+autocast (its casts of the norms' outputs), four
+attention-wide ones (q, k and v, repeated to every head, as SDPA gets them with a mask, and its
+output), four of the MLP's width (gate, up, the activation, its product); and two hidden-wide
+tensors per RMS norm in the residual stream's dtype (the master dtype under autocast, the compute
+dtype under FSDP2). With activation checkpointing, each layer's input alone, plus one layer's
+activations while it is recomputed. Packed rows add one additive attention mask per micro-batch
+(rows x row length squared). The LM head's logits are computed in chunks
+(`llmrl.algorithms.logprobs`), so they add a bounded amount. AdamW's step makes one temporary the
+size of the parameters (the foreach square root of the second moment). On CPU the process's own
+memory before the model loads (Python, torch, transformers) is part of the plan, as it is part of
+the resident set measured.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class MemorySettings:
     compute_dtype: torch.dtype
     world_size: int
     micro_batch_tokens: int
+    row_tokens: int
+    """Longest packed row (`training.pack_row_tokens`): a micro-batch's attention mask is rows x row length^2."""
     activation_checkpointing: bool
     reference_model: bool
     engine_tokens: int | None
@@ -66,7 +74,7 @@ class MemoryPlan:
         terms = {
             "parameters": shards * master,
             "gradients": shards * master,
-            "optimizer": 2 * shards * master,
+            "optimizer": 3 * shards * master,  # AdamW's two moments and its step's temporary
         }
         if s.world_size > 1:  # the root's parameters stay gathered; two blocks at a time with prefetch
             terms["gathered"] = (shape.outside_blocks + 2 * shape.largest_block) * compute
@@ -89,18 +97,24 @@ class MemoryPlan:
     def _activations(self) -> float:
         shape, s = self.shape, self.settings
         compute = s.compute_dtype.itemsize
+        stream_dtype = s.compute_dtype if s.world_size > 1 else s.master_dtype  # the residual stream's
+        stream = stream_dtype.itemsize
+        hidden_wide = (
+            5 if stream_dtype != s.compute_dtype else 2
+        )  # autocast keeps its casts of the norms' outputs
         tokens = s.micro_batch_tokens
         per_layer = tokens * (
-            compute * (5 * shape.hidden + 2 * shape.kv_channels + 3 * shape.intermediate)
-            + 4 * 2 * shape.hidden
+            compute * (hidden_wide * shape.hidden + 4 * shape.attention_width + 4 * shape.intermediate)
+            + 2 * 2 * shape.hidden * stream
         )
         if s.activation_checkpointing:
-            kept = tokens * shape.layers * shape.hidden * 4 + per_layer
+            kept = tokens * shape.layers * shape.hidden * stream + per_layer
         else:
             kept = per_layer * shape.layers
+        mask = tokens * min(s.row_tokens, tokens) * compute
         # chunked LM head: a chunk's float32 logits, log-softmax and gradient, plus the last hidden states
         head = 3 * 4 * min(CHUNK_ELEMENTS, tokens * shape.vocab) + tokens * shape.hidden * 4
-        return kept + head
+        return kept + mask + head
 
     def total(self, *, rank0: bool = True) -> int:
         return sum(self.terms(rank0=rank0).values())

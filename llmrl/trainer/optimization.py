@@ -41,6 +41,7 @@ from llmrl.algorithms.packing import (
     PackedBatch,
     Unit,
     build_batch,
+    has_local_attention,
     pack,
     pack_values,
     plan_rows,
@@ -106,17 +107,6 @@ def fast_forward(schedule: lr_scheduler.LRScheduler, steps: int) -> None:
         warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
         for _ in range(steps):
             schedule.step()
-
-
-def has_local_attention(config: object) -> bool:
-    """Whether a model config has sliding-window (local) attention layers."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return any(kind != "full_attention" for kind in layer_types)
-    return (
-        bool(getattr(config, "sliding_window", None))
-        and getattr(config, "use_sliding_window", True) is not False
-    )
 
 
 class PolicyUpdate:

@@ -183,6 +183,7 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             world_size=1 if self.distributed is None else self.distributed.world_size,
             micro_batch_tokens=config.training.micro_batch_tokens,
+            row_tokens=config.training.pack_row_tokens,
             activation_checkpointing=config.training.activation_checkpointing,
             reference_model=config.algorithm.kl_beta > 0,
             engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,

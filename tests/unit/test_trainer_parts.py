@@ -15,6 +15,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from llmrl.agents.base import placeholder_rollout
 from llmrl.algorithms.logprobs import selective_log_softmax
+from llmrl.algorithms.packing import has_local_attention
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.models.shape import ModelShape
@@ -25,7 +26,6 @@ from llmrl.trainer.optimization import (
     _MetricTotals,
     build_optimizer,
     fast_forward,
-    has_local_attention,
     sampling_params,
 )
 from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
