@@ -1,7 +1,8 @@
 """The trainer on a GPU: mixed precision, activation checkpointing, the engine, the memory plan.
 
 Marked `cuda`: skipped where torch sees no GPU (tests/conftest.py). Run on a GPU machine with
-``python -m pytest -m cuda``; docs/training.md records the card and the results.
+``python -m pytest -m cuda`` (or ``bash scripts/gpu_checks.sh``, which also runs bench/gpu.py);
+docs/benchmarks.md records the card, the versions and the results.
 """
 
 from __future__ import annotations
