@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+from memory_plans import MODEL_CONFIGS  # bench/, beside this script
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from llmrl.config import AlgorithmConfig, TrainingConfig
@@ -50,26 +51,9 @@ from llmrl.trainer.rollouts import prepare_batch
 from llmrl.trainer.trainer import _deterministic_algorithms
 from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup, TokenRollout
 
-# Qwen2.5's config.json fields that set parameter counts and activation sizes.
 SIZES: dict[str, dict[str, int | bool]] = {
-    "0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+    "0.5b": MODEL_CONFIGS["Qwen/Qwen2.5-0.5B-Instruct"],
+    "1.5b": MODEL_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"],
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,

@@ -43,9 +43,18 @@ from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings  # noqa: E402
 
 H100_BYTES = 80 * 10**9
 
-# The hub's config.json of each model, the fields that matter here (Qwen2.5 family: 32k-131k context,
+# The hub's config.json of each model (here and in bench/gpu.py), the fields that matter here (Qwen2.5 family: 32k-131k context,
 # rope theta 1e6, q/k/v biases; biases are counted by the model class itself).
 MODEL_CONFIGS: dict[str, dict[str, int | bool]] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     "Qwen/Qwen2.5-1.5B-Instruct": dict(
         hidden_size=1536,
         num_hidden_layers=28,
