@@ -11,6 +11,7 @@ from servers import serving
 from llmrl.agents import PassAtKAgent, evaluation_metrics
 from llmrl.agents.remote import RemoteAgent
 from llmrl.envs.arithmetic import ArithmeticAgent
+from llmrl.inference.interface import Health
 from llmrl.processes import free_port
 from llmrl.types import GenerationArgs
 
@@ -60,7 +61,8 @@ def test_env_server_process_validates_authenticates_and_serves_a_remote_agent(
 
         # Nothing listens at this inference URL: the server's own inference client gives up, the
         # environment turns the samples into placeholders, and the counters come back to the agent.
-        nowhere = SimpleNamespace(base_url=f"http://127.0.0.1:{free_port()}/v1")
+        address = f"http://127.0.0.1:{free_port()}/v1"
+        nowhere = SimpleNamespace(health=lambda: Health(servers=(address,), shared_url=address))
         groups = _run(agent.group_rollouts(nowhere, 2, 2))
         assert [len(g.rollouts) for g in groups] == [2, 2]
         assert all(
