@@ -38,6 +38,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, built with `peft`, in its meanings) trained over the frozen base model
+    (docs/training.md, LoRA). The adapters are float32 and alone reach the optimizer; the base stays in
+    `model.dtype` (`training.master_dtype` does not apply); weight syncs move the adapters only."""
+
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter: A is (r, in_features), B (out_features, r)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale numerator: an adapter adds (alpha / rank) * B @ A to its weight."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on an adapter's input while training (0: the trainer's logprobs are those inference samples)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Modules that get adapters: names or name suffixes (`[q_proj, v_proj]`), or `all-linear` (every linear
+    layer but the output head)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module, or all-linear")
+        return value
+
+
 class ModelConfig(Section):
     spec: str = "tiny://arithmetic"
     """`tiny://arithmetic` (the built-in model), a local folder, or a Hugging Face hub id."""
@@ -50,6 +73,8 @@ class ModelConfig(Section):
     """Attention kernel passed to transformers."""
     trust_remote_code: bool = False
     """Allow model code from the hub; off unless you trust the repository."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (`LoraConfig`); None (absent): full fine-tuning."""
 
 
 class VLLMConfig(Section):
