@@ -423,6 +423,11 @@ class RunConfig(Section):
                 "model.dtype: float16 compute over float32 master weights needs loss scaling, which llmrl does "
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
+        if self.model.lora is not None and self.inference.type == "vllm":
+            raise ValueError(
+                "model.lora: vLLM servers do not take LoRA adapter syncs yet; use inference.type local or "
+                "llmrl's inference server"
+            )
         if training.mini_batches > training.prompts_per_step * training.group_size:
             raise ValueError(
                 f"training.mini_batches: {training.mini_batches} is more than the "

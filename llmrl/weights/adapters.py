@@ -105,13 +105,9 @@ class AdapterWeights:
         (folder / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
         return folder
 
-    def to_bytes(self, metadata: dict[str, str]) -> bytes:
-        """One safetensors file holding the adapter and (in its metadata) its config."""
-        from safetensors.torch import save
-
-        return save(
-            _contiguous(self.tensors), metadata={**metadata, ADAPTER_METADATA: json.dumps(self.config)}
-        )
+    def file_metadata(self) -> dict[str, str]:
+        """Safetensors metadata that makes a file of `tensors` a one-file adapter (`read_adapter`)."""
+        return {ADAPTER_METADATA: json.dumps(self.config)}
 
 
 def read_adapter(path: str | Path) -> AdapterWeights | None:
