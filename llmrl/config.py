@@ -663,7 +663,7 @@ def reference_markdown() -> str:
         prefix = "" if model is RunConfig else title.strip("`") + "."
         for name, field in model.model_fields.items():
             nested, is_list = _section_type(field.annotation)
-            if nested is None or is_list:
+            if nested is None or is_list or field.default is None:  # an optional section gets a row too
                 lines.append(f"| `{name}` | {_default_text(field)} | {_one_line(field.description)} |")
             if nested is not None:
                 pending.append((f"`{prefix}{name}{'[]' if is_list else ''}`", nested, field.description))
@@ -671,7 +671,10 @@ def reference_markdown() -> str:
 
 
 def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """The model a field nests (directly or as list items), and whether it is a list."""
+    """The model a field nests (directly, as list items or optionally), and whether it is a list."""
+    options = [a for a in get_args(annotation) if a is not type(None)]
+    if type(None) in get_args(annotation) and len(options) == 1:
+        annotation = options[0]
     is_list = get_origin(annotation) is list
     if is_list:
         annotation = get_args(annotation)[0]

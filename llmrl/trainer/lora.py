@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from llmrl.config import LoraConfig
+from llmrl.models import load_model
+from llmrl.models.loading import DTYPES, write_model_folder
 from llmrl.weights.adapters import ADAPTER_CONFIG, ADAPTER_FILE, AdapterWeights
 
 ADAPTER_FOLDER = "adapter"
@@ -94,12 +96,24 @@ def adapter_sizes(model: torch.nn.Module, lora: LoraConfig) -> tuple[int, int]:
     return sum(p.numel() for p in adapters.trainable()), adapted
 
 
-def is_adapter_checkpoint(folder: Path) -> bool:
-    return (folder / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file()
+def adapter_checkpoint(path: Path) -> Path | None:
+    """The LoRA checkpoint a checkpoint or run folder (its latest checkpoint) stands for, if any."""
+    from llmrl.trainer.checkpoint import latest_checkpoint
+
+    if (path / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file():
+        return path
+    latest = latest_checkpoint(path) if path.is_dir() else None
+    return latest[1] if latest and (latest[1] / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file() else None
 
 
-def merged_model(base: torch.nn.Module, adapter_folder: Path) -> torch.nn.Module:
-    """`base` (float32 for an exact merge) with the adapter's deltas added into its weights."""
+def export_merged(checkpoint: Path, output_dir: str | Path, *, dtype: str) -> Path:
+    """The checkpoint's adapter merged into its run's base model (`model.spec`), written in `dtype` as
+    a plain Hugging Face folder; the merge is done in float32."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base, str(adapter_folder)).merge_and_unload()
+    from llmrl.config import load_config
+
+    config = load_config(checkpoint / "config.yaml")
+    base, tokenizer = load_model(config.model.spec, trust_remote_code=config.model.trust_remote_code)
+    merged = PeftModel.from_pretrained(base, str(checkpoint / ADAPTER_FOLDER)).merge_and_unload()
+    return write_model_folder(merged.to(DTYPES[dtype]), tokenizer, output_dir)
