@@ -201,7 +201,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser, default_port: int) ->
 
 def cmd_export(args: argparse.Namespace) -> int:
     from llmrl.models import export_model
+    from llmrl.trainer.lora import adapter_checkpoint, export_merged
 
+    checkpoint = adapter_checkpoint(Path(args.source))
+    if checkpoint is not None:
+        path = export_merged(checkpoint, args.output, dtype=args.dtype)
+        print(
+            f"wrote {checkpoint}'s LoRA adapter merged into its base model as a Hugging Face model folder: {path}"
+        )
+        return 0
     path = export_model(_model_spec(args.source), args.output, dtype=args.dtype)
     print(f"wrote {args.source} as a Hugging Face model folder: {path}")
     return 0
@@ -273,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     export = command(
-        "export", cmd_export, "Write a model (spec or folder) as a plain Hugging Face model folder."
+        "export",
+        cmd_export,
+        "Write a model (spec or folder) as a plain Hugging Face model folder; a LoRA run's adapter is "
+        "merged into its base model.",
     )
     export.add_argument(
         "source",

@@ -38,6 +38,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, built with `peft`, in its meanings) trained over the frozen base model
+    (docs/training.md, LoRA). The adapters are float32 and alone reach the optimizer; the base stays in
+    `model.dtype` (`training.master_dtype` does not apply); weight syncs move the adapters only."""
+
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter: A is (r, in_features), B (out_features, r)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale numerator: an adapter adds (alpha / rank) * B @ A to its weight."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on an adapter's input while training (0: the trainer's logprobs are those inference samples)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Modules that get adapters: names or name suffixes (`[q_proj, v_proj]`), or `all-linear` (every linear
+    layer but the output head)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module, or all-linear")
+        return value
+
+
 class ModelConfig(Section):
     spec: str = "tiny://arithmetic"
     """`tiny://arithmetic` (the built-in model), a local folder, or a Hugging Face hub id."""
@@ -50,6 +73,8 @@ class ModelConfig(Section):
     """Attention kernel passed to transformers."""
     trust_remote_code: bool = False
     """Allow model code from the hub; off unless you trust the repository."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (`LoraConfig`); None (absent): full fine-tuning."""
 
 
 class VLLMConfig(Section):
@@ -398,6 +423,11 @@ class RunConfig(Section):
                 "model.dtype: float16 compute over float32 master weights needs loss scaling, which llmrl does "
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
+        if self.model.lora is not None and self.inference.type == "vllm":
+            raise ValueError(
+                "model.lora: vLLM servers do not take LoRA adapter syncs yet; use inference.type local or "
+                "llmrl's inference server"
+            )
         if training.mini_batches > training.prompts_per_step * training.group_size:
             raise ValueError(
                 f"training.mini_batches: {training.mini_batches} is more than the "
@@ -633,7 +663,7 @@ def reference_markdown() -> str:
         prefix = "" if model is RunConfig else title.strip("`") + "."
         for name, field in model.model_fields.items():
             nested, is_list = _section_type(field.annotation)
-            if nested is None or is_list:
+            if nested is None or is_list or field.default is None:  # an optional section gets a row too
                 lines.append(f"| `{name}` | {_default_text(field)} | {_one_line(field.description)} |")
             if nested is not None:
                 pending.append((f"`{prefix}{name}{'[]' if is_list else ''}`", nested, field.description))
@@ -641,7 +671,10 @@ def reference_markdown() -> str:
 
 
 def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """The model a field nests (directly or as list items), and whether it is a list."""
+    """The model a field nests (directly, as list items or optionally), and whether it is a list."""
+    options = [a for a in get_args(annotation) if a is not type(None)]
+    if type(None) in get_args(annotation) and len(options) == 1:
+        annotation = options[0]
     is_list = get_origin(annotation) is list
     if is_list:
         annotation = get_args(annotation)[0]

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from llmrl.inference.kv_cache import max_positions
 from llmrl.inference.llama_decoder import LlamaFamilyDecoder
+from llmrl.inference.merging import MergedWeights
 
 __all__ = ["Decoder", "HFDecoder", "LlamaFamilyDecoder", "build_decoder"]
 
@@ -64,6 +65,11 @@ class Decoder(Protocol):
         those)."""
         ...
 
+    def merge_deltas(self, deltas: dict[str, torch.Tensor]) -> None:
+        """Serve, for each weight named, the weight it served before its first merge plus the delta
+        (LoRA's ``scaling * B @ A``, checked): a new adapter version replaces the previous one."""
+        ...
+
 
 def build_decoder(
     model: torch.nn.Module, *, max_rows: int | None = None, owns_model: bool = False
@@ -91,6 +97,7 @@ class HFDecoder:
         self.vocab_size = model.get_output_embeddings().out_features
         self.max_positions = max_positions(model.config)
         self.groups: list[_Group] = []
+        self._merged = MergedWeights()
         # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40); remote-code
         # models may keep the old one.
         self._cache_argument = (
@@ -115,6 +122,12 @@ class HFDecoder:
         """Into the model itself, which every step calls."""
         with torch.no_grad():
             self.model.load_state_dict(state, strict=False)
+        self._merged.replaced(state)
+
+    def merge_deltas(self, deltas: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                self._merged.merge(name, self.model.get_parameter(name), delta.to(self.device, torch.float32))
 
     def reset(self) -> None:
         self.groups = []

@@ -424,8 +424,9 @@ class LocalEngine:
         for update in self._updates:
             try:
                 with torch.inference_mode(False):
+                    load = self._decoder.merge_deltas if update.merge else self._decoder.load_state_dict
                     for bucket in update.buckets:
-                        self._decoder.load_state_dict(bucket)
+                        load(bucket)
                 self._version = update.version
             except Exception as exc:  # noqa: BLE001 - reported to the caller of update_weights
                 update.error = exc

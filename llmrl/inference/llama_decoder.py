@@ -31,6 +31,7 @@ from llmrl.inference.llama_forward import (
     read_weights,
     rotation_table,
 )
+from llmrl.inference.merging import MergedWeights
 from llmrl.models.shape import head_dim
 
 SUPPORTED_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -115,6 +116,7 @@ class LlamaFamilyDecoder:
         )  # by position
         self.fused: dict[str, FusedRows] = fused_rows(model, self.num_heads, self.num_kv_heads, self.head_dim)
         self.weights = read_weights(model, self.fused)
+        self._merged = MergedWeights()
         self.released: frozenset[str] = frozenset()
         """State-dict names whose only copy is in the fused tensors (the model holds meta placeholders)."""
         if owns_model:
@@ -133,6 +135,18 @@ class LlamaFamilyDecoder:
                 rows = self.fused.get(name)
                 if rows is not None:
                     rows.write(self.weights, value)
+        self._merged.replaced(state)
+
+    def merge_deltas(self, deltas: dict[str, torch.Tensor]) -> None:
+        """Serve base + delta for each weight named (`MergedWeights`), in the fused rows or the model."""
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                rows = self.fused.get(name)
+                delta = delta.to(device=self.device, dtype=torch.float32)
+                if rows is None:
+                    self._merged.merge(name, self.model.get_parameter(name), delta)
+                else:
+                    self._merged.merge(name, rows.rows(self.weights), rows.in_layout(delta))
 
     def reset(self) -> None:
         self.cache.reset()

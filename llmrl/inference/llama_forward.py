@@ -83,13 +83,20 @@ class FusedRows(NamedTuple):
         Converted to the fused tensor's dtype first, then interleaved and scaled in that dtype: the
         rows hold what the model's own parameter of `value` would give.
         """
-        target = getattr(weights.layers[self.layer], self.field)
-        value = value.to(device=target.device, dtype=target.dtype)
+        target = self.rows(weights)
+        target.copy_(self.in_layout(value.to(device=target.device, dtype=target.dtype)))
+
+    def rows(self, weights: LlamaWeights) -> torch.Tensor:
+        """The rows of the fused tensor this weight serves in (a view)."""
+        return getattr(weights.layers[self.layer], self.field)[self.start : self.stop]
+
+    def in_layout(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (a model tensor, or a delta to one) interleaved and scaled as the forward reads it."""
         if self.heads is not None:
             value = _interleave_pairs(value, self.heads)
         if self.scale is not None:
             value = value * self.scale
-        target[self.start : self.stop].copy_(value)
+        return value
 
 
 def fused_rows(model: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> dict[str, FusedRows]:

@@ -177,10 +177,17 @@ def load_model(
 
 def export_model(spec: str, output_dir: str | Path, *, dtype: str | torch.dtype = "float32") -> Path:
     """Write the model and tokenizer that `spec` names as a plain Hugging Face folder (`llmrl export`)."""
+    model, tokenizer = load_model(spec, dtype=dtype)
+    return write_model_folder(model, tokenizer, output_dir)
+
+
+def write_model_folder(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: str | Path
+) -> Path:
+    """`model` and `tokenizer` as a plain Hugging Face folder, which must not exist or be empty."""
     output = Path(output_dir).expanduser()
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"output folder {str(output)!r} must not exist or be empty")
-    model, tokenizer = load_model(spec, dtype=dtype)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     return output

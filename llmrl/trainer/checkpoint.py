@@ -12,6 +12,10 @@ Layout of ``RUN_DIR/checkpoints/step_000020/``::
     sharded/            runs over several processes only: model and optimizer state written with
                         `torch.distributed.checkpoint` (each rank its shards); the optimizer is
                         here instead of in trainer_state.pt
+    adapter/            LoRA runs (`model.lora`) only, instead of model/ and master.safetensors: the
+                        float32 adapters in PEFT's format (adapter_config.json,
+                        adapter_model.safetensors), for ``PeftModel.from_pretrained`` and vLLM's
+                        ``--lora-modules`` over the base `model.spec`; ``llmrl export`` merges them
 
 Any checkpoint resumes with any number of processes: ``sharded/`` is resharded on load (also into
 one process), and a one-process checkpoint's optimizer state is keyed by parameter name and
@@ -230,6 +234,11 @@ def write_checkpoint_files(
         config["dtype"] = str(dtype).removeprefix("torch.")
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(temp / "model")
+    write_run_state(temp, trainer_state=trainer_state, config_yaml=config_yaml)
+
+
+def write_run_state(temp: Path, *, trainer_state: dict[str, Any], config_yaml: str) -> None:
+    """The trainer state and config of a checkpoint (beside its model folder or adapter)."""
     torch.save(trainer_state, temp / TRAINER_STATE)
     (temp / "config.yaml").write_text(config_yaml)
 

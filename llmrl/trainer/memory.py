@@ -3,6 +3,8 @@
 `plan_memory` estimates what one rank holds: the master weights, their gradients and AdamW's two
 moments (all sharded over the ranks under torchrun), the compute-dtype copies the passes use
 (autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
+or with LoRA the frozen base in the compute dtype, float32 adapters and the gradients and moments
+of the adapters alone (no reference copy: the reference is the base with the adapters off),
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
 cache, and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
 GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the
@@ -54,6 +56,16 @@ class MemorySettings:
     reference_model: bool
     engine_tokens: int | None
     """KV-cache tokens of the embedded engine on rank 0; None when inference is elsewhere."""
+    lora: LoraSizes | None = None
+    """The adapters' sizes when LoRA trains (`model.lora`); None: every parameter trains."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSizes:
+    adapter: int
+    """Parameters of the adapters (float32, trained)."""
+    adapted: int
+    """Parameters of the base weights they adapt (the embedded engine keeps a copy to merge onto)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +83,22 @@ class MemoryPlan:
         shape, s = self.shape, self.settings
         master, compute = s.master_dtype.itemsize, s.compute_dtype.itemsize
         shards = shape.parameters / s.world_size
-        terms = {
-            "parameters": shards * master,
-            "gradients": shards * master,
-            "optimizer": 3 * shards * master,  # AdamW's two moments and its step's temporary
-        }
+        if s.lora is not None:  # a frozen base in the compute dtype; float32 adapters alone train
+            adapters = s.lora.adapter * 4
+            terms = {
+                "parameters": shards * compute + adapters,
+                "gradients": adapters,
+                "optimizer": 3 * adapters,  # AdamW's two moments and its step's temporary
+            }
+        else:
+            terms = {
+                "parameters": shards * master,
+                "gradients": shards * master,
+                "optimizer": 3 * shards * master,
+            }
         if s.world_size > 1:  # the root's parameters stay gathered; two blocks at a time with prefetch
             terms["gathered"] = (shape.outside_blocks + 2 * shape.largest_block) * compute
-        elif compute != master:  # autocast's casts, kept for the backward pass
+        elif compute != master and s.lora is None:  # autocast's casts, kept for the backward pass
             terms["gathered"] = shape.parameters * compute
         if s.reference_model:
             terms["reference"] = shape.parameters / s.world_size * compute
@@ -87,6 +107,8 @@ class MemoryPlan:
             terms["engine"] = (
                 shape.parameters * compute + 2 * s.engine_tokens * shape.layers * shape.kv_channels * compute
             )
+            if s.lora is not None:  # the base values of the weights adapter deltas are merged onto
+                terms["engine"] += s.lora.adapted * compute
         if rank0 and s.world_size > 1 and self.device == "cpu":  # on a GPU they are gathered into host memory
             # a checkpoint's Hugging Face folder gathers every bucket; a weight sync holds one at a time
             terms["gathered weights"] = shape.parameters * compute

@@ -10,7 +10,7 @@ clipped optimizer step.
 pass and one mini-batch it equals the policy being trained, so its logprobs are the same forward's,
 detached (the ratio is exactly 1 and no extra pass is needed); otherwise they come from a no-grad
 pass before the first update. The reference model's logprobs (``kl_beta > 0``) also come from one
-no-grad pass per step.
+no-grad pass per step: of the reference model, or, with LoRA, of the policy with its adapters off.
 
 When the loss has no KL or entropy term, a rollout with advantage exactly 0 contributes nothing but
 its share of the denominator, so it skips the forward and backward passes (whole GRPO groups with
@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -123,12 +123,15 @@ class PolicyUpdate:
         max_tokens: int,
         pad_token_id: int,
         reference: torch.nn.Module | None = None,
+        reference_context: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
         distributed: Distributed | None = None,
         compute_dtype: torch.dtype | None = None,
     ):
-        """`compute_dtype`: the dtype forward and backward passes run in, when it is not the policy's
-        parameter dtype (the master weights'): one process runs them under autocast; sharded models
-        cast on their own (FSDP2's `MixedPrecisionPolicy`, set by `Distributed.shard`)."""
+        """`compute_dtype`: the dtype forward and backward passes run in, when it is not the dtype of
+        the policy's trained parameters (the master weights'): one process runs them under autocast;
+        sharded models cast on their own (FSDP2's `MixedPrecisionPolicy`, set by `Distributed.shard`).
+        `reference_context`: inside it the policy computes the reference logprobs (LoRA's adapters
+        off), in place of a `reference` model."""
         self.policy = policy
         self.distributed = distributed
         self.optimizer = optimizer
@@ -139,13 +142,14 @@ class PolicyUpdate:
         )
         self.pad_token_id = pad_token_id
         self.reference = reference
+        self.reference_context = reference_context
         self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
         shape = ModelShape.of(policy)  # packing's costs: forward FLOPs per token and per attention pair
         self._token_cost, self._pair_cost = shape.token_flops, shape.pair_flops
         # A shared prefix brings its own attention mask, which would drop a sliding window.
         self._local_attention = has_local_attention(getattr(policy, "config", None))
         self.device = next(policy.parameters()).device
-        master_dtype = next(policy.parameters()).dtype
+        master_dtype = next(p for p in policy.parameters() if p.requires_grad).dtype
         self._autocast_dtype = (
             compute_dtype if distributed is None and compute_dtype not in (None, master_dtype) else None
         )
@@ -167,17 +171,19 @@ class PolicyUpdate:
         ]
         is_forwarded = set(forwarded)
         separate_old = self.training.iterations > 1 or self.training.mini_batches > 1
-        with trace_span("logprobs", old=separate_old, reference=self.reference is not None):
+        has_reference = self.reference is not None or self.reference_context is not None
+        with trace_span("logprobs", old=separate_old, reference=has_reference):
             old = (
                 self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded)
                 if separate_old
                 else None
             )
-            ref = (
-                self._sequence_logprobs(self._reference_forward, sequences, masks, forwarded)
-                if self.reference
-                else None
-            )
+            ref = None
+            if self.reference is not None:
+                ref = self._sequence_logprobs(self._reference_forward, sequences, masks, forwarded)
+            elif self.reference_context is not None:
+                with self.reference_context():
+                    ref = self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded)
         inference = batch.inference_logprobs
         advantages = batch.advantages.to(self.device)
         totals = _MetricTotals()

@@ -21,6 +21,7 @@ broadcasts each step's rollouts; every rank trains on its share of the batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -47,7 +48,8 @@ from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, read_metrics, use
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.distributed import Distributed, tied_duplicates
-from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, PeakMemory, plan_memory
+from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
+from llmrl.trainer.memory import GB, LoraSizes, MemoryPlan, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
@@ -59,6 +61,7 @@ from llmrl.trainer.rollouts import (
     unavailable_line,
 )
 from llmrl.types import GenerationArgs
+from llmrl.weights import tensor_bytes
 
 
 class Trainer:
@@ -125,18 +128,29 @@ class Trainer:
             # each rank receives its shards of the model rank 0 loads
             return distributed.load_model(spec, dtype=dtype, compute_dtype=compute_dtype, **options)
 
-        self.policy, self.tokenizer = load(
-            str(checkpoint[1] / "model") if checkpoint else config.model.spec,
-            config.training.master_dtype,
-            self.compute_dtype if config.model.dtype != config.training.master_dtype else None,
-        )
-        if checkpoint and self.distributed is None:
-            ckpt.load_master_weights(checkpoint[1], self.policy)
+        self.adapters: Adapters | None = None
+        if config.model.lora is None:
+            self.policy, self.tokenizer = load(
+                str(checkpoint[1] / "model") if checkpoint else config.model.spec,
+                config.training.master_dtype,
+                self.compute_dtype if config.model.dtype != config.training.master_dtype else None,
+            )
+            if checkpoint and self.distributed is None:
+                ckpt.load_master_weights(checkpoint[1], self.policy)
+        else:  # the frozen base in the compute dtype, float32 adapters over it
+            if self.distributed is not None:
+                raise ConfigError("model.lora: LoRA trains in one process; run it without torchrun")
+            base, self.tokenizer = load(config.model.spec, config.model.dtype)
+            self.adapters = Adapters(base, config.model.lora)
+            self.policy = self.adapters.model
+            if checkpoint:
+                self.adapters.load(checkpoint[1] / ADAPTER_FOLDER)
         if config.training.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
         self.policy.train()
         reference = None
-        if config.algorithm.kl_beta > 0:  # loaded once, never per step; no master copy: it never changes
+        # Loaded once, never per step; no master copy: it never changes. With LoRA: the policy, adapters off.
+        if config.algorithm.kl_beta > 0 and self.adapters is None:
             reference, _ = load(config.model.spec, config.model.dtype)
             reference.eval().requires_grad_(False)
         # Names aliasing another entry (tied embeddings): sent and exported once, under the first name.
@@ -155,6 +169,9 @@ class Trainer:
             max_tokens=generation.max_tokens,
             pad_token_id=self.tokenizer.pad_token_id or 0,
             reference=reference,
+            reference_context=self.adapters.disabled
+            if self.adapters is not None and config.algorithm.kl_beta > 0
+            else None,
             distributed=self.distributed,
             compute_dtype=self.compute_dtype,
         )
@@ -164,6 +181,7 @@ class Trainer:
             )
 
         self.pipeline: RolloutPipeline | None = None
+        self._sync_bytes = 0
         self.step = 0
         self.seconds = 0.0  # training wall time over all sessions of this run
         self.evaluations: dict[int, Summary] = {}
@@ -185,13 +203,21 @@ class Trainer:
             micro_batch_tokens=config.training.micro_batch_tokens,
             row_tokens=config.training.pack_row_tokens,
             activation_checkpointing=config.training.activation_checkpointing,
-            reference_model=config.algorithm.kl_beta > 0,
+            reference_model=config.algorithm.kl_beta > 0 and config.model.lora is None,
             engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
         )
-        shapes, _ = load_model(
-            config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code
-        )
-        return plan_memory(shapes, settings, device)
+
+        def shapes() -> torch.nn.Module:
+            model, _ = load_model(
+                config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code
+            )
+            return model
+
+        if config.model.lora is not None:
+            settings = dataclasses.replace(
+                settings, lora=LoraSizes(*adapter_sizes(shapes(), config.model.lora))
+            )
+        return plan_memory(shapes(), settings, device)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -216,6 +242,8 @@ class Trainer:
                 )
             )
             display.message(self.memory_plan.render())
+            if self.adapters is not None:
+                display.message(self.adapters.summary())
             # Under torchrun every Ctrl-C reaches a worker twice (from the terminal, then forwarded by
             # torchrun).
             stop_requested = self._agreed(
@@ -320,7 +348,11 @@ class Trainer:
         )
         metrics |= staleness_metrics(groups, trained_version=step - 1)
         metrics |= {f"train/{key}": value for key, value in update.items()}
-        metrics |= {"train/lr": learning_rate, "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0))}
+        metrics |= {
+            "sync/bytes": float(self._sync_bytes),
+            "train/lr": learning_rate,
+            "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0)),
+        }
         metrics |= {f"agents/{key}": value for key, value in self.agents.pop_metrics().items()}
         memory = {"memory/peak_gb": max(peaks), "memory/plan_gb": self.memory_plan.total() / GB}
         if len(peaks) > 1:
@@ -329,13 +361,21 @@ class Trainer:
 
     def _sync_weights(self, version: int, *, reset: bool = False) -> None:
         """Serve the policy's weights as `version` (over several processes, gathered bucket by bucket
-        for rank 0's inference side: every rank takes part in each bucket)."""
-        if self.distributed is None:
-            weights: Any = self._untied(self.policy.state_dict())
+        for rank 0's inference side: every rank takes part in each bucket); with LoRA, the adapters
+        alone. `_sync_bytes`: the bytes it sent."""
+        weights: Any
+        if self.adapters is not None:
+            weights = self.adapters.weights()
+            self._sync_bytes = weights.nbytes
+        elif self.distributed is None:
+            weights = self._untied(self.policy.state_dict())
+            self._sync_bytes = sum(tensor_bytes(weights).values())
         else:
             bucket_bytes = self.config.inference.weight_sync_bucket_mb << 20
-            weights = self.distributed.gathered_buckets(
-                self.policy, bucket_bytes, skip=self._tied_names, dtype=self.compute_dtype
+            weights = self._counted(
+                self.distributed.gathered_buckets(
+                    self.policy, bucket_bytes, skip=self._tied_names, dtype=self.compute_dtype
+                )
             )
         if self.is_main:
             started = time.time()
@@ -351,6 +391,12 @@ class Trainer:
                 _
             ) in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
                 pass
+
+    def _counted(self, buckets: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        self._sync_bytes = 0
+        for bucket in buckets:
+            self._sync_bytes += sum(tensor_bytes(bucket).values())
+            yield bucket
 
     def _close_inference(self) -> None:
         if self.inference is not None:
@@ -414,7 +460,14 @@ class Trainer:
 
     def _save(self) -> None:
         with self.tracer.span("checkpoint", step=self.step):
-            if self.distributed is None:
+            if self.adapters is not None:  # the adapter alone: the base is model.spec
+                temp = ckpt.start_checkpoint(self.run_dir, self.step)
+                self.adapters.save(temp / ADAPTER_FOLDER)
+                ckpt.write_run_state(temp, trainer_state=self._state(), config_yaml=dump_config(self.config))
+                ckpt.finish_checkpoint(
+                    self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last
+                )
+            elif self.distributed is None:
                 ckpt.save_checkpoint(
                     self.run_dir,
                     self.step,

@@ -7,17 +7,19 @@ and the transports that deliver a weight version to where it serves.
 | `checks.py` | what a tensor, a state dict or a bucket must pass (against a model or a checkpoint manifest) |
 | `buckets.py` | `weight_buckets` (whole decoder layers, bounded bytes), `Bucket`, safetensors bytes and files
 |
+| `adapters.py` | `AdapterWeights`: LoRA adapters as a payload (PEFT's names and files), their deltas and checks |
 | `in_process.py` | into the embedded engine's model, between its decode steps |
 | `llmrl_server.py` | to llmrl's inference server: a file in a shared folder, or streamed over HTTP |
 | `nccl.py` | to vLLM's GPU workers by NCCL broadcast |
 | `vllm_worker.py` | inside a vLLM server: llmrl's transfer backend and worker extension |
 
-This package root and `checks`, `buckets`, `transport` and `vllm_worker` import only torch,
+This package root and `checks`, `buckets`, `adapters`, `transport` and `vllm_worker` import only torch,
 safetensors and vLLM: `vllm_worker` runs in vLLM's environment, where llmrl is installed without
 its dependencies. Other packages import this root and the transport modules; the vLLM route
 sequence that carries `Bucket`s lives with the vLLM client (`llmrl.inference.vllm`).
 """
 
+from llmrl.weights.adapters import AdapterWeights, read_adapter
 from llmrl.weights.buckets import (
     Bucket,
     delete_bucket_files,
@@ -39,6 +41,7 @@ from llmrl.weights.in_process import InProcessTransport, WeightUpdate
 from llmrl.weights.transport import Weights, WeightSyncError, WeightTransport, check_version, weight_parts
 
 __all__ = [
+    "AdapterWeights",
     "Bucket",
     "InProcessTransport",
     "Manifest",
@@ -51,6 +54,7 @@ __all__ = [
     "check_version",
     "check_weights",
     "delete_bucket_files",
+    "read_adapter",
     "read_state_dict",
     "safetensors_ready",
     "serialised_buckets",

@@ -23,7 +23,7 @@ def weight_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: int) -
     larger than `bucket_bytes` gets a bucket of its own."""
     groups: dict[str, list[str]] = {}
     for name in names:
-        groups.setdefault(_layer_key(name), []).append(name)
+        groups.setdefault(layer_key(name), []).append(name)
     buckets: list[list[str]] = []
     size = 0
     for group in groups.values():
@@ -36,7 +36,7 @@ def weight_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: int) -
     return [b for b in buckets if b]
 
 
-def _layer_key(name: str) -> str:
+def layer_key(name: str) -> str:
     """``model.layers.3`` for every tensor of layer 3; the name itself for the rest."""
     parts = name.split(".")
     for i, part in enumerate(parts):

@@ -4,7 +4,9 @@ The engine applies an update between decode steps; `InProcessTransport.send` tur
 (a state dict, a safetensors/torch file, a folder of them, or an iterable of bucket dicts) into a
 `WeightUpdate`, each bucket checked against the names, shapes and floating-ness of the model's
 ``state_dict`` as recorded when the transport was built (`served_tensors`): the Llama/Qwen2 decoder
-may since have released some of the model's tensors into its fused ones.
+may since have released some of the model's tensors into its fused ones. LoRA adapters (given as
+`AdapterWeights`, a PEFT folder or a one-file adapter) become an update of deltas (`merge`): the
+receiver serves each of its base weights plus the delta.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from llmrl.weights.adapters import AdapterWeights, read_adapter
 from llmrl.weights.buckets import read_state_dict
 from llmrl.weights.checks import ServedTensor, check_state_dict, served_tensors
 from llmrl.weights.transport import Weights
@@ -26,6 +29,8 @@ from llmrl.weights.transport import Weights
 class WeightUpdate:
     buckets: Iterable[dict[str, torch.Tensor]]  # read once, when the update is applied
     version: int
+    merge: bool = False
+    """The buckets hold LoRA deltas to add to the base weights, not weights."""
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -46,11 +51,15 @@ class InProcessTransport:
 
 def weight_update(served: dict[str, ServedTensor], weights: Weights, version: int) -> WeightUpdate:
     """An update of the tensors `served` describes to `weights`: a whole state dict (or file, or
-    folder) is read and checked now, an iterable of buckets bucket by bucket as it is applied."""
-    if isinstance(weights, (dict, str, Path)):
-        state = weights if isinstance(weights, dict) else read_state_dict(weights)
-        check_state_dict(served, state)
-        return WeightUpdate([state], version)
+    folder) or adapter is read and checked now, an iterable of buckets bucket by bucket as it is applied."""
+    if isinstance(weights, (str, Path)):
+        weights = read_adapter(weights) or read_state_dict(weights)
+    if isinstance(weights, AdapterWeights):
+        weights.check(served)
+        return WeightUpdate(weights.deltas(), version, merge=True)
+    if isinstance(weights, dict):
+        check_state_dict(served, weights)
+        return WeightUpdate([weights], version)
     return WeightUpdate(_checked(served, weights), version)
 
 

@@ -5,7 +5,8 @@ With a `weights_dir` both sides read (a shared disk), a state dict is written th
 is deleted once the server has loaded the next); without one, it is streamed in the request body.
 A path inside `weights_dir` (a file or a folder of shards) is sent as is; any other path must be a
 ``.safetensors`` file, which is streamed. A stream of buckets is collected into one state dict
-first: the server takes one file per update.
+first: the server takes one file per update. LoRA adapters travel as one file the same ways, their
+config in its metadata (`AdapterWeights.file_metadata`); the server merges them onto its base weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.files import atomic_write
+from llmrl.weights.adapters import AdapterWeights
 from llmrl.weights.buckets import safetensors_ready
 from llmrl.weights.transport import Weights, WeightSyncError, check_version
 
@@ -49,7 +51,9 @@ class LlmrlServerTransport:
         as a no-op, unless `reset` is set."""
         check_version(version)
         target: dict[str, Any] = {"version": version, **({"reset": True} if reset else {})}
-        if isinstance(weights, dict):
+        if isinstance(weights, AdapterWeights):
+            await self._send_state_dict(weights.tensors, target, weights.file_metadata())
+        elif isinstance(weights, dict):
             await self._send_state_dict(weights, target)
         elif not isinstance(weights, (str, Path)):  # buckets
             await self._send_state_dict({k: v for bucket in weights for k, v in bucket.items()}, target)
@@ -65,11 +69,14 @@ class LlmrlServerTransport:
                     "file to stream; pass a state dict or put the checkpoint in weights_dir"
                 )
 
-    async def _send_state_dict(self, state: dict[str, Any], target: dict[str, Any]) -> None:
+    async def _send_state_dict(
+        self, state: dict[str, Any], target: dict[str, Any], metadata: dict[str, str] | None = None
+    ) -> None:
         version = target["version"]
+        metadata = {**(metadata or {}), "policy_version": str(version)}
         if self.weights_dir is not None:
             path = self.weights_dir / f"llmrl-policy-v{version}.safetensors"
-            await asyncio.to_thread(_write_safetensors, state, path, version)
+            await asyncio.to_thread(_write_safetensors, state, path, metadata)
             await self._send_path(path, target)
             previous, self._written_file = self._written_file, path
             if previous is not None and previous != path:
@@ -80,7 +87,6 @@ class LlmrlServerTransport:
         handle, name = tempfile.mkstemp(prefix="llmrl-weights-", suffix=".safetensors")
         os.close(handle)
         try:
-            metadata = {"policy_version": str(version)}
             await asyncio.to_thread(save_file, safetensors_ready(state), name, metadata)
             await self._stream_file(Path(name), target)
         finally:
@@ -107,11 +113,11 @@ class LlmrlServerTransport:
         return self.weights_dir is not None and self.weights_dir in path.parents
 
 
-def _write_safetensors(state: dict[str, Any], path: Path, version: int) -> None:
+def _write_safetensors(state: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
     """Write `state` to `path` whole or not at all (the server may read the folder at any time)."""
     from safetensors.torch import save
 
-    atomic_write(path, save(safetensors_ready(state), metadata={"policy_version": str(version)}))
+    atomic_write(path, save(safetensors_ready(state), metadata=metadata))
 
 
 async def _file_chunks(path: Path) -> AsyncIterator[bytes]:

@@ -12,8 +12,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-Weights = dict[str, Any] | str | Path | Iterable[dict[str, Any]]
-"""What a weight update takes: a state dict, a file or folder of weights, or a stream of buckets.
+from llmrl.weights.adapters import AdapterWeights
+
+Weights = dict[str, Any] | str | Path | Iterable[dict[str, Any]] | AdapterWeights
+"""What a weight update takes: a state dict, a file or folder of weights, a stream of buckets, or LoRA
+adapters (`AdapterWeights`, also as a PEFT folder or one-file adapter), which serve added to the base
+weights the receiver loaded (never the previous version's).
 
 A stream of bucket dicts comes from a trainer gathering sharded weights bucket by bucket
 (`weight_buckets`): together they hold every tensor once, a decoder layer's tensors in one bucket.
@@ -43,6 +47,8 @@ def weight_parts(weights: Weights) -> Iterable[dict[str, Any]]:
     """`weights` as an iterable of dicts: one for a state dict or a path, the buckets of a stream."""
     from llmrl.weights.buckets import read_state_dict
 
+    if isinstance(weights, AdapterWeights):
+        raise TypeError("LoRA adapters are not weight parts: a receiver merges them (AdapterWeights.deltas)")
     if isinstance(weights, dict):
         return [weights]
     if isinstance(weights, (str, Path)):

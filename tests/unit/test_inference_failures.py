@@ -114,6 +114,7 @@ def test_a_weight_sync_to_an_unreachable_server_stops_the_run_in_one_line():
 
     trainer = SimpleNamespace(
         distributed=None,
+        adapters=None,
         is_main=True,
         inference=DeadSync(),
         _untied=dict,
