@@ -29,7 +29,10 @@ TOOLS = [
         "function": {
             "name": "add",
             "description": "Add two numbers.",
-            "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            },
         },
     }
 ]
@@ -75,11 +78,11 @@ def programs(tmp_path_factory):
     yield sys.modules["test_programs"]
 
 
-PROGRAMS = '''
+PROGRAMS = """
 import json
 import openai
 
-TOOLS = json.loads(%r)
+TOOLS = json.loads(TOOLS_JSON)
 
 async def tool_use(client, problem):
     messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": problem["question"]}]
@@ -116,7 +119,7 @@ def not_async(client, problem):
 async def calls_forever(client, problem):
     while True:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
-''' % json.dumps(TOOLS)
+""".replace("TOOLS_JSON", repr(json.dumps(TOOLS)))
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +152,7 @@ def draw(agent, inference, group_size=1):
 
 
 def test_hermes_parser_reads_tool_calls_after_content():
-    parsed = parse_hermes(f"Let me add.\n{ADD_CALL}\n<tool_call>{{\"name\": \"now\"}}</tool_call>")
+    parsed = parse_hermes(f'Let me add.\n{ADD_CALL}\n<tool_call>{{"name": "now"}}</tool_call>')
     assert parsed.content == "Let me add."
     assert parsed.tool_calls == [ParsedToolCall("add", {"a": 2, "b": 3}), ParsedToolCall("now", {})]
 
@@ -195,9 +198,10 @@ def test_tool_episode_is_one_sequence_with_the_tool_response_masked_out(programs
     completion_ids = [list(r.token_ids) for r in asyncio.run(_replay(inference))]
     assert rollout.trajectory[1] == completion_ids[0] and rollout.trajectory[3] == completion_ids[1]
     # the second prompt holds the first completion's sampled ids as they were, not re-tokenised text
-    assert second.prompt_token_ids[: len(rollout.tokens) - len(rollout.trajectory[3])] == rollout.tokens[
-        : -len(rollout.trajectory[3])
-    ]
+    assert (
+        second.prompt_token_ids[: len(rollout.tokens) - len(rollout.trajectory[3])]
+        == rollout.tokens[: -len(rollout.trajectory[3])]
+    )
     assert rollout.logprobs[1] == [-0.5] * len(rollout.trajectory[1])
     assert rollout.logprobs[2] == [0.0] * len(rollout.trajectory[2])
     assert rollout.policy_version == 3
