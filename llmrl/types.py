@@ -164,14 +164,19 @@ class InferenceRequest(WireModel):
         ),
     )
 
+    @field_validator("prompt")
+    @classmethod
+    def _messages_not_empty(cls, prompt: str | list[ChatMessage]) -> str | list[ChatMessage]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must contain at least one chat message")
+        return prompt
+
     @model_validator(mode="after")
-    def _prompt_not_empty(self) -> InferenceRequest:
+    def _text_not_empty(self) -> InferenceRequest:
         # An empty string after `prompt_token_ids` asks for a completion of exactly those ids (a
-        # prompt rendered by the caller, e.g. the endpoint of `llmrl.agents.openai_agent`).
+        # prompt rendered by the caller: the endpoint of `llmrl.agents.endpoint`).
         if self.prompt == "" and self.prompt_token_ids is None:
             raise ValueError("prompt must be a non-empty string (or empty after prompt_token_ids)")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must contain at least one chat message")
         return self
 
     @field_validator("prompt_token_ids")
