@@ -67,7 +67,7 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
     from llmrl.registry import import_plugins
 
     import_plugins(config.plugins)
-    agents = build_agents(config.environments, config.seed)
+    agents = build_agents(config.environments, config.seed, model_spec=config.model.spec)
     inference = build_inference(config.inference, config.model, seed=config.seed)
     try:
         summary = run_sync(

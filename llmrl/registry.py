@@ -26,6 +26,7 @@ _BUILTIN_AGENTS: dict[str, str] = {
     "code": "llmrl.envs.code:CodeAgent",
     "dataset": "llmrl.agents.dataset:DatasetAgent",
     "remote": "llmrl.agents.remote:RemoteAgent",
+    "openai_agent": "llmrl.agents.openai_agent:OpenAIAgent",
 }
 
 _BUILTIN_INFERENCE: dict[str, str] = {

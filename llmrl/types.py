@@ -166,12 +166,18 @@ class InferenceRequest(WireModel):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_not_empty(cls, prompt: str | list[ChatMessage]) -> str | list[ChatMessage]:
-        if isinstance(prompt, str) and not prompt:
-            raise ValueError("prompt must be a non-empty string")
+    def _messages_not_empty(cls, prompt: str | list[ChatMessage]) -> str | list[ChatMessage]:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must contain at least one chat message")
         return prompt
+
+    @model_validator(mode="after")
+    def _text_not_empty(self) -> InferenceRequest:
+        # An empty string after `prompt_token_ids` asks for a completion of exactly those ids (a
+        # prompt rendered by the caller: the endpoint of `llmrl.agents.endpoint`).
+        if self.prompt == "" and self.prompt_token_ids is None:
+            raise ValueError("prompt must be a non-empty string (or empty after prompt_token_ids)")
+        return self
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -232,6 +238,13 @@ class TokenRollout(WireModel):
         description="How the model turns were sampled: the trainer takes its logprobs of the same distribution.",
     )
     text: list[str] | None = Field(None, description="Decoded segments, for logs and debugging.")
+    extra_sequences: list[TokenRollout] = Field(
+        default_factory=list,
+        description=(
+            "Further token sequences of the same episode (an agent program's calls that did not extend "
+            "this one): trained with this rollout's advantage, each on its own."
+        ),
+    )
 
     @field_validator("reward")
     @classmethod
@@ -279,6 +292,11 @@ class TokenRollout(WireModel):
     @property
     def num_generated(self) -> int:
         return sum(self.mask)
+
+    @property
+    def sequences(self) -> list[TokenRollout]:
+        """The episode's token sequences: this one, then `extra_sequences`."""
+        return [self, *self.extra_sequences]
 
 
 class RolloutGroup(WireModel):
@@ -460,15 +478,38 @@ class MessagePart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON text (OpenAI's form).")
+
+
+class ToolCall(BaseModel):
+    """A tool call of an assistant message, as OpenAI clients send it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class OpenAIMessage(BaseModel):
-    """A chat message as OpenAI clients send it (text content, or a list of text parts; `name` ignored)."""
+    """A chat message as OpenAI clients send it (text content, or a list of text parts; `name` ignored).
+
+    The llmrl server renders role and text only; agent programs' endpoint (`llmrl.agents.endpoint`)
+    also renders an assistant's `tool_calls` and a tool message's `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[MessagePart]
+    content: str | list[MessagePart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def to_chat_message(self) -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return ChatMessage(role=self.role, content=content)
+        return ChatMessage(role=self.role, content=self.text)
 
 
 class ChatBody(GenerationFields):

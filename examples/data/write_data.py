@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmrl.agents.dataset import load_rows, packaged_data
 from llmrl.rewards.answers import after_hashes, last_boxed
+from llmrl.rewards.arithmetic import prompt_text, sample_problems
 
 HERE = Path(__file__).parent
 DAPO_INSTRUCTION = (
@@ -45,13 +46,22 @@ def word_problem_rows(split: str) -> list[dict]:
     ]
 
 
+def sum_rows(split: str) -> list[dict]:
+    """Two-digit sums from the arithmetic task's own split, for the retry agent program (the tiny
+    model is warmed up on exactly this question)."""
+    count = 2000 if split == "train" else 128
+    problems = sample_problems(count, digits=2, ops=("+",), split=split, seed=0)
+    return [{"id": p.problem_id, "question": prompt_text(p), "answer": p.answer} for p in problems]
+
+
 def write() -> None:
     import pandas
 
     for split in ("train", "test"):
         pandas.DataFrame(math_dapo_rows(split)).to_parquet(HERE / f"math_dapo_{split}.parquet", index=False)
-        with open(HERE / f"word_problems_{split}.jsonl", "w") as file:
-            file.writelines(json.dumps(row) + "\n" for row in word_problem_rows(split))
+        for name, rows in (("word_problems", word_problem_rows(split)), ("sums", sum_rows(split))):
+            with open(HERE / f"{name}_{split}.jsonl", "w") as file:
+                file.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

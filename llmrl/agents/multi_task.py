@@ -251,8 +251,9 @@ def _accepted_arguments(cls: type) -> set[str] | None:
     return None
 
 
-def build_agent(environment: EnvironmentConfig, seed: int = 0) -> Agent:
-    """One agent from its config entry: ``cls(**agent_args, seed=seed, env_id=name)``."""
+def build_agent(environment: EnvironmentConfig, seed: int = 0, model_spec: str | None = None) -> Agent:
+    """One agent from its config entry: ``cls(**agent_args, seed=seed, env_id=name)``, and
+    ``model_spec`` (the run's model) for agents that take it and whose agent_args do not set it."""
     name = environment.name
     cls = get_agent_class(environment.agent_type)
     accepted = _accepted_arguments(cls)
@@ -271,6 +272,8 @@ def build_agent(environment: EnvironmentConfig, seed: int = 0) -> Agent:
             )
     given = {"seed": seed, "env_id": name}
     extra = {k: v for k, v in given.items() if accepted is None or k in accepted}
+    if model_spec is not None and accepted and "model_spec" in accepted - set(environment.agent_args):
+        extra["model_spec"] = model_spec
     try:
         return cls(**environment.agent_args, **extra)
     except (ValueError, TypeError) as exc:  # the agent's verdict on its arguments, which come from the config
@@ -283,10 +286,11 @@ def build_agents(
     *,
     dynamic_sampling: bool = False,
     max_resample_rounds: int = 3,
+    model_spec: str | None = None,
 ) -> WeightedMultiTask:
-    """All configured environments as one `WeightedMultiTask`."""
+    """All configured environments as one `WeightedMultiTask` (`model_spec`: the run's model)."""
     return WeightedMultiTask(
-        [build_agent(env, seed) for env in environments],
+        [build_agent(env, seed, model_spec) for env in environments],
         [env.weight for env in environments],
         [env.evaluation_only for env in environments],
         dynamic_sampling=dynamic_sampling,

@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, request_args
 from llmrl.agents.sampler import EpochSampler
+from llmrl.agents.trajectory import Trajectory
 from llmrl.agents.workers import in_worker_thread
 from llmrl.inference.interface import InferenceInterface
 from llmrl.rewards.functions import Reward
@@ -309,7 +310,9 @@ class RewardOnlyAgent(Agent):
         args: GenerationArgs,
     ) -> TokenRollout:
         """Continue the episode from its first model turn (multi-turn), then score it."""
-        trajectory = _Trajectory(problem, response, args)
+        trajectory = Trajectory(args)
+        trajectory.add_context(response.prompt_token_ids, prompt_text(problem.prompt))
+        trajectory.add_completion(response)
         stage = "observe"
         try:
             for turn in range(self.max_turns - 1):
@@ -324,7 +327,7 @@ class RewardOnlyAgent(Agent):
                     if isinstance(problem.prompt, str)
                     else [ChatMessage(role="user", content=message)]
                 )
-                prefix = trajectory.tokens
+                prefix = list(trajectory.tokens)
                 request = InferenceRequest(
                     prompt=follow_up,
                     prompt_token_ids=prefix,
@@ -332,13 +335,18 @@ class RewardOnlyAgent(Agent):
                     n=1,
                 )
                 (response,) = await self._generate(inference, request)
-                trajectory.add_turn(message, response)
+                if response.prompt_token_ids[: len(prefix)] != prefix:
+                    raise RuntimeError(
+                        "the inference engine did not continue from prompt_token_ids (earlier turns changed)"
+                    )
+                trajectory.add_context(response.prompt_token_ids[len(prefix) :], message)
+                trajectory.add_completion(response)
                 stage = "observe"
             stage = "reward"
             reward = await self._call_env(self.reward, response, problem)
             if isinstance(reward, Reward):
-                return trajectory.rollout(self.env_id, reward.value, reward.components)
-            return trajectory.rollout(self.env_id, float(reward))
+                return trajectory.rollout(self.env_id, problem.id, reward.value, reward.components)
+            return trajectory.rollout(self.env_id, problem.id, float(reward))
         except Exception as exc:
             reason = self._record_failure(stage, problem, exc, count=1)
             return placeholder_rollout(self.env_id, problem.id, reason)
@@ -368,6 +376,11 @@ class RewardOnlyAgent(Agent):
             reason = f"{stage}: timed out after {limit} s"
         else:
             reason = f"{stage}: {type(exc).__name__}: {exc}"[:500]
+        self._count_failure(stage, problem, reason, count=count)
+        return reason
+
+    def _count_failure(self, stage: str, problem: Problem, reason: str, *, count: int) -> None:
+        """Count and log `count` rollouts of `problem` replaced by placeholders for `reason`."""
         self._counters[f"failures/{stage}"] += 1
         self._counters["placeholders"] += count
         log.warning(
@@ -376,64 +389,6 @@ class RewardOnlyAgent(Agent):
             problem.id,
             reason,
             count,
-        )
-        return reason
-
-
-class _Trajectory:
-    """Token segments of one episode: prompt, model turn, user turn, model turn, ..."""
-
-    def __init__(self, problem: Problem, first: InferenceResponse, args: GenerationArgs):
-        self.problem = problem
-        self.args = args
-        self.segments: list[list[int]] = [list(first.prompt_token_ids)]
-        self.masks: list[list[bool]] = [[False] * len(first.prompt_token_ids)]
-        self.logprobs: list[list[float]] | None = [[0.0] * len(first.prompt_token_ids)]
-        self.texts: list[str] = [prompt_text(problem.prompt)]
-        self.policy_version = first.policy_version
-        self._add_completion(first)
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for segment in self.segments for t in segment]
-
-    def _add(self, ids: list[int], generated: bool, logprobs: list[float] | None, text: str) -> None:
-        self.segments.append(list(ids))
-        self.masks.append([generated] * len(ids))
-        self.texts.append(text)
-        if self.logprobs is not None and (logprobs is not None or not generated):
-            self.logprobs.append(list(logprobs) if generated else [0.0] * len(ids))
-        else:  # an engine that returns no logprobs for one turn leaves the trajectory without them
-            self.logprobs = None
-
-    def _add_completion(self, response: InferenceResponse) -> None:
-        self._add(response.token_ids, True, response.logprobs, response.text)
-        self.policy_version = min(self.policy_version, response.policy_version)
-        self.last = response
-
-    def add_turn(self, message: str, response: InferenceResponse) -> None:
-        """Append the user's message (as the engine tokenised it after our exact prefix) and the reply."""
-        prefix = self.tokens
-        if response.prompt_token_ids[: len(prefix)] != prefix:
-            raise RuntimeError(
-                "the inference engine did not continue from prompt_token_ids (earlier turns changed)"
-            )
-        self._add(response.prompt_token_ids[len(prefix) :], False, None, message)
-        self._add_completion(response)
-
-    def rollout(self, env_id: str, reward: float, components: dict[str, float] | None = None) -> TokenRollout:
-        return TokenRollout(
-            trajectory=self.segments,
-            generation_mask=self.masks,
-            logprobs=self.logprobs,
-            generation_args=self.args,
-            text=self.texts,
-            reward=reward,
-            reward_components=components or {},
-            env_id=env_id,
-            problem_id=self.problem.id,
-            truncated=self.last.finish_reason == "length",
-            policy_version=self.policy_version,
         )
 
 

@@ -59,11 +59,11 @@ def _tokenize(tokenizer: Any, request: InferenceRequest) -> list[int]:
             messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
         )
         return list(ids)
-    return list(prefix) + _follow_up_ids(tokenizer, prefix, messages, template_kwargs)
+    return list(prefix) + follow_up_ids(tokenizer, prefix, messages, template_kwargs)
 
 
-def _follow_up_ids(
-    tokenizer: Any, prefix: list[int], messages: list[dict[str, str]], template_kwargs: dict[str, Any]
+def follow_up_ids(
+    tokenizer: Any, prefix: list[int], messages: list[dict[str, Any]], template_kwargs: dict[str, Any]
 ) -> list[int]:
     """Ids of `messages` as the next turn after a conversation whose ids (ending in a model turn) are
     `prefix`.
@@ -75,7 +75,7 @@ def _follow_up_ids(
     reply = "\u2063llmrl-reply\u2063"  # text no real conversation contains
     reference = [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}]
 
-    def render(conversation: list[dict[str, str]], **options: Any) -> str:
+    def render(conversation: list[dict[str, Any]], **options: Any) -> str:
         return tokenizer.apply_chat_template(conversation, tokenize=False, **options, **template_kwargs)
 
     before = render(reference)

@@ -8,7 +8,14 @@ already imported by this package (runpy warns about that, and would run the modu
 import importlib
 from typing import Any
 
-from llmrl.models.loading import ModelSpecError, check_supported, export_model, load_model, resolve_model_spec
+from llmrl.models.loading import (
+    ModelSpecError,
+    check_supported,
+    export_model,
+    load_model,
+    load_tokenizer,
+    resolve_model_spec,
+)
 
 _TINY_EXPORTS = ("TINY_MODELS", "TinyRecipe", "build_tiny_model", "tiny_model_path")
 
@@ -17,6 +24,7 @@ __all__ = [
     "check_supported",
     "export_model",
     "load_model",
+    "load_tokenizer",
     "resolve_model_spec",
     *_TINY_EXPORTS,
 ]

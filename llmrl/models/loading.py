@@ -115,6 +115,20 @@ def _rope_parameters(config: object) -> list[dict]:
     return [parameters]
 
 
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of model `spec`; it always has a pad token (its eos token when it has none)."""
+    source = resolve_model_spec(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as exc:  # unreachable hub, unknown repo, or a folder without tokenizer files
+        raise ModelSpecError(f"model spec {spec!r}: cannot load its tokenizer: {exc}") from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelSpecError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(
     spec: str,
     *,
@@ -139,14 +153,7 @@ def load_model(
     elif dtype not in DTYPES.values():
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = resolve_model_spec(spec)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except OSError as exc:  # unreachable hub, unknown repo, or a folder without tokenizer files
-        raise ModelSpecError(f"model spec {spec!r}: cannot load its tokenizer: {exc}") from exc
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ModelSpecError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(spec, trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as exc:

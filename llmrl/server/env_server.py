@@ -94,6 +94,7 @@ class EnvironmentService:
             config.seed,
             dynamic_sampling=algorithm.dynamic_sampling,
             max_resample_rounds=algorithm.max_resample_rounds,
+            model_spec=config.model.spec,
         )
         self.mix.check_problems()
         self.inference_factory = inference_factory

@@ -4,6 +4,8 @@
 advantages and picks the rollouts that reach the loss:
 
 - placeholders (failed rollouts) never do; they are also left out of their group's statistics;
+- an episode of several token sequences (`TokenRollout.extra_sequences`) brings each of them, with
+  the episode's advantage;
 - with `mask_truncated`, completions cut off by max_tokens keep their place in the statistics
   but get no gradient (DAPO overlong filtering);
 - the loss denominator counts every rollout that reaches the loss (see `RolloutBatch.normalizer`).
@@ -137,12 +139,17 @@ def prepare_batch(
         ddof=algorithm.advantage_std_ddof,
         eps=algorithm.advantage_eps,
     )
+    # An episode of several token sequences (an agent program's calls) trains each of them with the
+    # episode's advantage.
     in_loss = [
-        i
+        (i, sequence)
         for i, r in enumerate(rollouts)
-        if valid[i] and r.num_generated > 0 and not (algorithm.mask_truncated and r.truncated)
+        if valid[i]
+        for sequence in r.sequences
+        if sequence.num_generated > 0 and not (algorithm.mask_truncated and sequence.truncated)
     ]
-    return RolloutBatch([rollouts[i] for i in in_loss], advantages[in_loss]), advantages
+    loss_advantages = advantages[[i for i, _ in in_loss]]
+    return RolloutBatch([sequence for _, sequence in in_loss], loss_advantages), advantages
 
 
 def rollout_metrics(

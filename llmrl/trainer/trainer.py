@@ -99,6 +99,7 @@ class Trainer:
                 config.seed,
                 dynamic_sampling=config.algorithm.dynamic_sampling,
                 max_resample_rounds=config.algorithm.max_resample_rounds,
+                model_spec=config.model.spec,
             )
             if self.is_main
             else None
