@@ -12,10 +12,12 @@ Layout of ``RUN_DIR/checkpoints/step_000020/``::
     sharded/            runs over several processes only: model and optimizer state written with
                         `torch.distributed.checkpoint` (each rank its shards); the optimizer is
                         here instead of in trainer_state.pt
-    adapter/            LoRA runs (`model.lora`) only, instead of model/ and master.safetensors: the
-                        float32 adapters in PEFT's format (adapter_config.json,
+    adapter/            LoRA runs (`model.lora`) only, instead of model/, master.safetensors and
+                        sharded/: the float32 adapters in PEFT's format (adapter_config.json,
                         adapter_model.safetensors), for ``PeftModel.from_pretrained`` and vLLM's
-                        ``--lora-modules`` over the base `model.spec`; ``llmrl export`` merges them
+                        ``--lora-modules`` over the base `model.spec`; ``llmrl export`` merges them.
+                        Written alike by any number of processes (the adapters and their
+                        optimizer state gathered whole: `gathered_optimizer_state`)
 
 Any checkpoint resumes with any number of processes: ``sharded/`` is resharded on load (also into
 one process), and a one-process checkpoint's optimizer state is keyed by parameter name and
@@ -298,7 +300,7 @@ def load_optimizer(
         return True
     # A one-process checkpoint: its state is keyed by position in the parameter list; the sharded
     # model has the same parameters in the same order, so name them and let each rank take its shards.
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    names = _trainable_names(model)
     saved = trainer_state["optimizer"]
     by_name = {
         "state": {names[index]: value for index, value in saved["state"].items()},
@@ -308,6 +310,26 @@ def load_optimizer(
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
     return True
+
+
+def gathered_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A sharded model's optimizer state, whole, in one process's format (`optimizer.state_dict()`:
+    keyed by position among the trainable parameters), which `load_optimizer` restores into any
+    number of processes. For a state small enough to gather (LoRA's adapters). Collective."""
+    whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    positions = {name: index for index, name in enumerate(_trainable_names(model))}
+    return {
+        "state": {positions[name]: value for name, value in whole["state"].items()},
+        "param_groups": [
+            group | {"params": [positions[name] for name in group["params"]]}
+            for group in whole["param_groups"]
+        ],
+    }
+
+
+def _trainable_names(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters the optimizer holds, in its order (`build_optimizer`)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:

@@ -14,6 +14,10 @@ and rank 0's weights reach every rank's shards tensor by tensor (`Distributed.lo
 weight sync gathers the shards for rank 0's inference side in bounded buckets
 (`Distributed.gathered_buckets`), so rank 0 holds one bucket at a time besides its engine.
 
+With LoRA (`model.lora`) the adapters are built over the model before it is sharded (`load_model`'s
+`prepare`), so each block's unit holds its frozen base weights and its adapters; only the adapters
+train, are gathered for a sync and are checkpointed (`llmrl.trainer.lora`).
+
 FSDP2 runs collectives inside every forward and backward pass, so every rank must run the same
 number of them: a rank with fewer micro-batches than the others runs zero-weight passes
 (`PolicyUpdate` asks `max_count` how many).
@@ -38,7 +42,7 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -181,10 +185,20 @@ class Distributed:
         return model
 
     def load_model(
-        self, spec: str, *, device: str, compute_dtype: torch.dtype | None = None, **options: Any
+        self,
+        spec: str,
+        *,
+        device: str,
+        compute_dtype: torch.dtype | None = None,
+        prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        **options: Any,
     ) -> tuple[torch.nn.Module, Any]:
         """`llmrl.models.load_model(spec, device=device, **options)`, sharded (`shard`, with
         `compute_dtype`), with no full copy on any device and none in host memory but rank 0's.
+
+        `prepare` (LoRA's adapters) makes the model to shard out of the loaded one, first on rank 0's
+        loaded weights (its random draws are the one-process run's), then on the meta-built model of
+        every rank, which draws none: rank 0's prepared weights reach every rank's shards.
 
         Every rank builds the model on the meta device (no memory) and shards it; rank 0 also loads
         the weights into host memory and broadcasts them one tensor at a time, each rank keeping its
@@ -197,6 +211,10 @@ class Distributed:
         del device  # the shards land on this process's device (`self.device`)
         loaded, tokenizer = load_model(spec, device="cpu", **options) if self.is_main else (None, None)
         model, meta_tokenizer = load_model(spec, device="meta", **options)
+        if prepare is not None:
+            loaded = prepare(loaded) if loaded is not None else None
+            with torch.random.fork_rng(devices=[]):
+                model = prepare(model)
         first_names = _first_names(model)
         full = loaded.state_dict() if loaded is not None else {}
         buffers = dict(loaded.named_buffers()) if loaded is not None else {}

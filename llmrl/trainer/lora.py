@@ -5,16 +5,23 @@ peft wraps the model in a ``PeftModel``; the trainer trains the transformers mod
 linear layers replaced by LoRA layers in place), which `token_logprobs` takes as it takes any causal
 LM, and keeps the wrapper for what only it does: switching the adapters off for the KL reference,
 and PEFT's adapter names and config.
+
+Under torchrun the transformers model is sharded with FSDP2 like a fully trained one
+(`llmrl.trainer.distributed`): each decoder layer's unit holds its frozen base weights and its
+adapters, and only the adapters get gradients, so only theirs are reduced. (FSDP2 needs one dtype
+among a unit's trainable parameters only: float32 adapters beside a bfloat16 base are fine.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from llmrl.config import LoraConfig
 from llmrl.models import load_model
@@ -59,16 +66,28 @@ class Adapters:
             f"the base ({total - trainable:,}) is frozen"
         )
 
-    def disabled(self) -> contextlib.AbstractContextManager[None]:
-        """The base model's forward while inside (the KL reference: no second copy)."""
-        return self.peft_model.disable_adapter()
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model's forward while inside (the KL reference: no second copy; no-grad passes).
+
+        The adapters keep ``requires_grad``, which peft clears while they are off: FSDP2 settles at
+        a model's first pass which parameters train (and so their gradients' dtype), and this pass
+        may be the first."""
+        trainable = self.trainable()
+        with self.peft_model.disable_adapter():
+            for parameter in trainable:
+                parameter.requires_grad_(True)
+            yield
 
     def weights(self) -> AdapterWeights:
-        """This version of the adapters as a sync payload (float32, PEFT's names and config)."""
+        """This version of the adapters as a sync payload (float32, PEFT's names and config).
+
+        Sharded (FSDP2) adapters are gathered whole, the frozen base is not: a collective then, that
+        every rank calls in step."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.peft_model)
-        return AdapterWeights({name: t.detach() for name, t in state.items()}, self.config())
+        return AdapterWeights({name: _whole(t.detach()) for name, t in state.items()}, self.config())
 
     def config(self) -> dict[str, Any]:
         """PEFT's ``adapter_config.json`` content, as ``save_pretrained`` writes it."""
@@ -86,6 +105,10 @@ class Adapters:
 
         device = str(next(self.peft_model.parameters()).device)
         set_peft_model_state_dict(self.peft_model, load_file(str(folder / ADAPTER_FILE), device=device))
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def adapter_sizes(model: torch.nn.Module, lora: LoraConfig) -> tuple[int, int]:

@@ -84,7 +84,7 @@ class MemoryPlan:
         master, compute = s.master_dtype.itemsize, s.compute_dtype.itemsize
         shards = shape.parameters / s.world_size
         if s.lora is not None:  # a frozen base in the compute dtype; float32 adapters alone train
-            adapters = s.lora.adapter * 4
+            adapters = s.lora.adapter * 4 / s.world_size
             terms = {
                 "parameters": shards * compute + adapters,
                 "gradients": adapters,
@@ -109,8 +109,9 @@ class MemoryPlan:
             )
             if s.lora is not None:  # the base values of the weights adapter deltas are merged onto
                 terms["engine"] += s.lora.adapted * compute
-        if rank0 and s.world_size > 1 and self.device == "cpu":  # on a GPU they are gathered into host memory
+        if rank0 and s.world_size > 1 and self.device == "cpu" and s.lora is None:
             # a checkpoint's Hugging Face folder gathers every bucket; a weight sync holds one at a time
+            # (on a GPU they are gathered into host memory; LoRA gathers its adapters alone)
             terms["gathered weights"] = shape.parameters * compute
         if self.device == "cpu":
             terms["process"] = self.baseline_bytes

@@ -123,11 +123,19 @@ class Trainer:
         }
         distributed = self.distributed
 
-        def load(spec: str, dtype: str, compute_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+        def load(
+            spec: str,
+            dtype: str,
+            compute_dtype: torch.dtype | None = None,
+            prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        ) -> tuple[Any, Any]:
             if distributed is None:
-                return load_model(spec, dtype=dtype, **options)
+                model, tokenizer = load_model(spec, dtype=dtype, **options)
+                return prepare(model) if prepare else model, tokenizer
             # each rank receives its shards of the model rank 0 loads
-            return distributed.load_model(spec, dtype=dtype, compute_dtype=compute_dtype, **options)
+            return distributed.load_model(
+                spec, dtype=dtype, compute_dtype=compute_dtype, prepare=prepare, **options
+            )
 
         self.adapters: Adapters | None = None
         if config.model.lora is None:
@@ -139,13 +147,22 @@ class Trainer:
             if checkpoint and self.distributed is None:
                 ckpt.load_master_weights(checkpoint[1], self.policy)
         else:  # the frozen base in the compute dtype, float32 adapters over it
-            if self.distributed is not None:
-                raise ConfigError("model.lora: LoRA trains in one process; run it without torchrun")
-            base, self.tokenizer = load(config.model.spec, config.model.dtype)
-            self.adapters = Adapters(base, config.model.lora)
-            self.policy = self.adapters.model
-            if checkpoint:
-                self.adapters.load(checkpoint[1] / ADAPTER_FOLDER)
+            lora = config.model.lora
+
+            def with_adapters(base: torch.nn.Module) -> torch.nn.Module:
+                # Over several processes the meta-built model's adapters are built last and kept: they
+                # are the ones sharded; rank 0's loaded ones reach them with the base weights.
+                self.adapters = Adapters(base, lora)
+                if checkpoint and not next(base.parameters()).is_meta:
+                    self.adapters.load(checkpoint[1] / ADAPTER_FOLDER)
+                return self.adapters.model
+
+            # Sharded units cast the float32 adapters to the compute dtype for the passes, as one
+            # process's autocast does.
+            adapters_cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
+            self.policy, self.tokenizer = load(
+                config.model.spec, config.model.dtype, adapters_cast, prepare=with_adapters
+            )
         if config.training.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
         self.policy.train()
@@ -387,7 +404,7 @@ class Trainer:
                     raise
                 detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
                 raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
-        if self.distributed is not None:
+        if self.distributed is not None and self.adapters is None:
             for (
                 _
             ) in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
@@ -445,7 +462,9 @@ class Trainer:
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Rank 0's trainer state; `optimizer`: the optimizer's entries when they were gathered
+        from every rank (`_save_adapters`), else they are this process's."""
         state: dict[str, Any] = {
             "step": self.step,
             "seconds": self.seconds,
@@ -453,7 +472,9 @@ class Trainer:
             "agents": self.pipeline.agent_state(self.step) if self.pipeline else self.agents.state_dict(),
             "rng": ckpt.rng_state(),
         }
-        if self.config.checkpoint.save_optimizer and self.distributed is None:
+        if optimizer is not None:
+            state |= optimizer
+        elif self.config.checkpoint.save_optimizer and self.distributed is None:
             state |= {"optimizer": self.optimizer.state_dict()}
         elif self.config.checkpoint.save_optimizer:  # the optimizer goes to the sharded state
             state |= {"sharded_optimizer": True}
@@ -462,12 +483,7 @@ class Trainer:
     def _save(self) -> None:
         with self.tracer.span("checkpoint", step=self.step):
             if self.adapters is not None:  # the adapter alone: the base is model.spec
-                temp = ckpt.start_checkpoint(self.run_dir, self.step)
-                self.adapters.save(temp / ADAPTER_FOLDER)
-                ckpt.write_run_state(temp, trainer_state=self._state(), config_yaml=dump_config(self.config))
-                ckpt.finish_checkpoint(
-                    self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last
-                )
+                self._save_adapters()
             elif self.distributed is None:
                 ckpt.save_checkpoint(
                     self.run_dir,
@@ -485,6 +501,27 @@ class Trainer:
         if self.is_main:
             self.tracer.save()  # rewrites the whole file: at checkpoints, not every step
             RolloutBank(self.run_dir).compact(self.step)
+
+    def _save_adapters(self) -> None:
+        """A LoRA checkpoint, the same from any number of processes: the adapters and their optimizer
+        state, gathered whole on every rank (small), written by rank 0."""
+        adapters = self.adapters.weights()
+        optimizer: dict[str, Any] = {}
+        if self.config.checkpoint.save_optimizer:
+            optimizer["optimizer"] = (
+                self.optimizer.state_dict()
+                if self.distributed is None
+                else ckpt.gathered_optimizer_state(self.policy, self.optimizer)
+            )
+        if self.is_main:
+            temp = ckpt.start_checkpoint(self.run_dir, self.step)
+            adapters.save(temp / ADAPTER_FOLDER)
+            ckpt.write_run_state(
+                temp, trainer_state=self._state(optimizer), config_yaml=dump_config(self.config)
+            )
+            ckpt.finish_checkpoint(self.run_dir, self.step, temp, keep_last=self.config.checkpoint.keep_last)
+        if self.distributed is not None:
+            self.distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
 
     def _save_sharded(self) -> None:
         """The checkpoint of a multi-process run: every rank writes its shards of the model and

@@ -1,4 +1,5 @@
-"""`torchrun --nproc-per-node 2 -m llmrl train` on CPU (gloo, FSDP2) against the same run in one process."""
+"""`torchrun --nproc-per-node 2 -m llmrl train` on CPU (gloo, FSDP2) against the same run in one process,
+with every weight trained and with LoRA."""
 
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, to
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def adapter(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    folder = run_dir / "checkpoints" / f"step_{step:06d}" / "adapter"
+    return load_file(folder / "adapter_model.safetensors")
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -222,6 +228,66 @@ def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_pa
     assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]
     assert (run / "checkpoints" / f"step_{saved[0]:06d}" / "sharded").is_dir()
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+# The rate: a weight whose gradient is about Adam's epsilon (A's, once B has moved off zero) moves by a
+# few percent of the rate more or less on float noise in the gradient; 3e-4 keeps that within 1e-5.
+LORA = ["model.lora={rank: 8, alpha: 16}", "training.lr=3e-4", "algorithm.kl_beta=0.05"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, tiny_model_path) -> dict[int, Path]:
+    """The same LoRA run (KL reference: adapters off) in one process and in two: processes -> run folder."""
+    root = tmp_path_factory.mktemp("distributed-lora")
+    folders = {1: root / "one", 2: root / "two"}
+    for processes, folder in folders.items():
+        train(folder, processes, *LORA)
+    return folders
+
+
+def test_lora_over_two_processes_trains_like_one(lora_runs):
+    """The frozen base sharded, the adapters trained, synced and checkpointed (optimizer included) as
+    one process does."""
+    one, two = (read_metrics(lora_runs[n] / "metrics.jsonl") for n in (1, 2))
+    for key in ("train/loss", "train/ref_kl", "train/grad_norm", "train/mismatch_kl", "sync/bytes"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-7), key
+    assert one[-1]["train/ref_kl"] > 1e-4  # the compared KL against the adapters-off reference is real
+    assert all(row["sync/bytes"] == one[0]["sync/bytes"] for row in two)  # the adapters alone
+    assert_close_weights(adapter(lora_runs[2]), adapter(lora_runs[1]))
+    checkpoint = lora_runs[2] / "checkpoints" / f"step_{STEPS:06d}"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["adapter", "config.yaml", "trainer_state.pt"]
+    optimizers = [
+        torch.load(lora_runs[n] / "checkpoints" / f"step_{STEPS:06d}" / "trainer_state.pt")["optimizer"]
+        for n in (1, 2)
+    ]
+    assert optimizers[1]["param_groups"] == optimizers[0]["param_groups"]
+    assert optimizers[1]["state"].keys() == optimizers[0]["state"].keys()
+    for index, state in optimizers[0]["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(optimizers[1]["state"][index][name], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("written_by", "resumed_by"), [(2, 1), (1, 2)])
+def test_a_lora_run_resumes_with_another_number_of_processes(lora_runs, tmp_path, written_by, resumed_by):
+    """Every rank continues from the step-2 adapter checkpoint (adapters and optimizer state)."""
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(lora_runs[written_by], interrupted)
+    shutil.rmtree(interrupted / "checkpoints" / f"step_{STEPS:06d}")
+    result = train(interrupted, resumed_by, *LORA)
+    assert "from its checkpoint at step 2" in result.stdout
+    assert_close_weights(adapter(interrupted), adapter(lora_runs[written_by]))
+    assert losses(interrupted) == pytest.approx(losses(lora_runs[written_by]), rel=1e-5, abs=1e-7)
+
+
+def test_lora_over_a_bfloat16_base_trains_float32_adapters(tmp_path, tiny_model_path):
+    """Each unit holds a bfloat16 base and float32 adapters; the first pass of the run is the reference's
+    (adapters off), after which FSDP2 still reduces the adapters' gradients in float32."""
+    run_dir = tmp_path / "bf16"
+    train(run_dir, 2, *LORA, "model.dtype=bfloat16", "training.steps=2")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert all(torch.isfinite(torch.tensor(row["train/loss"])) for row in rows)
+    assert rows[-1]["train/ref_kl"] > 0
+    assert {value.dtype for value in adapter(run_dir, 2).values()} == {torch.float32}
 
 
 # Every rank loads the tiny model the way the trainer does, compares its forward pass with an unsharded
