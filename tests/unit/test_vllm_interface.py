@@ -430,3 +430,23 @@ def test_managed_servers_of_adapters_get_lora_flags_and_their_routes(tmp_path):
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in full.environment()
     with pytest.raises(ConfigError, match="model.lora.rank"):
         load_config(None, ["inference.type=vllm", "model.lora={rank: 600}"])
+
+
+def test_a_restarted_managed_server_loads_the_last_adapter_again_and_serves_it(tmp_path):
+    server = GeneratingVLLM(**LORA_FACTS)
+    managed = FakeServer()
+    vllm = VLLMInterface(
+        ["http://vllm:8000"],
+        config=VLLMConfig(max_loras=3),
+        servers=[managed],
+        transport=httpx.MockTransport(server),
+        lora_rank=4,
+        weights_dir=tmp_path,
+    )
+    vllm.update_weights(scripted_adapter(1), version=1)
+    vllm.update_weights(scripted_adapter(2), version=2)
+    managed.up = False
+    assert vllm._recover(vllm._endpoints[0], "a request failed (ConnectError)")
+    assert [load["lora_name"] for load in server.loads[1:]] == [server.loads[1]["lora_name"]] * 2
+    assert vllm._endpoints[0].loaded_adapters == {server.loads[1]["lora_name"]}
+    assert ask(vllm) == 2 and server.models[-1] == server.loads[1]["lora_name"]
