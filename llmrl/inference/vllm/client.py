@@ -394,6 +394,8 @@ class VLLMInterface:
         """Write the adapter once, load it on every server and switch their requests to it; unload (and
         delete) the versions no request uses any more."""
         for endpoint in self._endpoints:
+            if not endpoint.manifest:  # transport nccl: vLLM's backend reports none
+                continue
             try:
                 adapter.check(manifest_tensors(endpoint.manifest))
             except ValueError as exc:
