@@ -77,6 +77,10 @@ class ModelConfig(Section):
     """Train LoRA adapters instead of every weight (`LoraConfig`); None (absent): full fine-tuning."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's --max-lora-rank takes (a server serves adapters of any rank up to its own)."""
+
+
 class VLLMConfig(Section):
     """vLLM servers for `inference.type: vllm` (docs/serving.md). With `inference.base_url` unset,
     llmrl starts and stops the servers itself (managed); with it set, it trains from servers a user
@@ -120,6 +124,10 @@ class VLLMConfig(Section):
     max_restarts: int = Field(3, ge=0)
     """Times a managed server that died or failed a weight sync is restarted (and given the last good weights)
     before the run stops."""
+    max_loras: int | None = Field(None, ge=1)
+    """With `model.lora`: adapter versions a server runs in one batch (vLLM's --max-loras; each sync loads a
+    new version beside those requests still use). None: training.generation_lag + 2, filled in at load: the
+    versions the lag lets requests run on (lag + 1), and the one being loaded."""
 
 
 class InferenceConfig(Section):
@@ -424,10 +432,12 @@ class RunConfig(Section):
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
         if self.model.lora is not None and self.inference.type == "vllm":
-            raise ValueError(
-                "model.lora: vLLM servers do not take LoRA adapter syncs yet; use inference.type local or "
-                "llmrl's inference server"
-            )
+            if self.model.lora.rank > VLLM_LORA_RANKS[-1]:
+                raise ValueError(
+                    f"model.lora.rank: {self.model.lora.rank} is more than vLLM serves ({VLLM_LORA_RANKS[-1]})"
+                )
+            if self.inference.vllm.max_loras is None:
+                self.inference.vllm.max_loras = training.generation_lag + 2
         if training.mini_batches > training.prompts_per_step * training.group_size:
             raise ValueError(
                 f"training.mini_batches: {training.mini_batches} is more than the "

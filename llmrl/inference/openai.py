@@ -161,15 +161,20 @@ class OpenAIInterface:
 
     # -- generation ------------------------------------------------------------------------------
 
-    async def agenerate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
-        """Sample `request.n` completions on the server, with their token ids and logprobs."""
+    async def agenerate(
+        self, request: InferenceRequest | dict[str, Any], *, model: str | None = None
+    ) -> list[InferenceResponse]:
+        """Sample `request.n` completions on the server, with their token ids and logprobs; `model`:
+        the name to ask for instead of the server's model (a LoRA adapter's)."""
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
         if request.n > self.max_n:
-            parts = await asyncio.gather(*(self.agenerate(part) for part in _split(request, self.max_n)))
+            parts = await asyncio.gather(
+                *(self.agenerate(part, model=model) for part in _split(request, self.max_n))
+            )
             return [response for part in parts for response in part]
         chat = not isinstance(request.prompt, str)
-        body = _request_body(request, await self._model_name())
+        body = _request_body(request, model or await self._model_name())
         session = self._session()
         async with session.slots:
             data = await self._call(

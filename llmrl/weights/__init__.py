@@ -34,6 +34,7 @@ from llmrl.weights.checks import (
     check_names,
     check_state_dict,
     check_weights,
+    manifest_tensors,
     served_tensors,
     weight_problem,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "check_version",
     "check_weights",
     "delete_bucket_files",
+    "manifest_tensors",
     "read_adapter",
     "read_state_dict",
     "safetensors_ready",

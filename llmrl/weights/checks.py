@@ -90,6 +90,15 @@ def check_names(names: set[str], manifest: Manifest, server: str, *, complete: b
         )
 
 
+def manifest_tensors(manifest: Manifest) -> dict[str, ServedTensor]:
+    """What each tensor of a served checkpoint is, as `served_tensors` says of a model in memory
+    (what LoRA adapters are checked against)."""
+    return {
+        name: ServedTensor(torch.Size(entry["shape"]), entry["dtype"].startswith(("F", "BF")))
+        for name, entry in manifest.items()
+    }
+
+
 def manifest_problem(name: str, tensor: torch.Tensor, manifest: Manifest) -> str:
     """What is wrong with sending `tensor` as `name` to a server holding `manifest` ('' if nothing)."""
     expected = manifest.get(name)

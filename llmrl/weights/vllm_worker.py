@@ -16,8 +16,9 @@ llmrl installed there without dependencies (``pip install --no-deps``).
   before ``/finish_weight_update`` has the whole checkpoint, so a refused update leaves the served
   weights untouched (the trainer checks all of this before it sends, too).
 - The **worker extension** adds ``llmrl_server_facts``, called through ``/collective_rpc``: what
-  the trainer checks before it trains from a server (logprobs mode, transfer backend, dtype) and
-  the checkpoint's tensor manifest (names, dtypes, shapes) that syncs are validated against.
+  the trainer checks before it trains from a server (logprobs mode, transfer backend, dtype, LoRA
+  rank and slots) and the checkpoint's tensor manifest (names, dtypes, shapes) that syncs are
+  validated against.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ class LlmrlWorkerExtension:
         transfer = config.weight_transfer_config
         engine = getattr(self, "weight_transfer_engine", None)
         manifest = engine.manifest if isinstance(engine, LlmrlWeightTransferEngine) else None
+        lora = config.lora_config
         return {
             "logprobs_mode": str(config.model_config.logprobs_mode),
             "weight_transfer_backend": transfer.backend if transfer is not None else None,
@@ -170,6 +172,7 @@ class LlmrlWorkerExtension:
             "max_model_len": config.model_config.max_model_len,
             "model": str(config.model_config.model),
             "manifest": manifest,
+            "lora": {"max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras} if lora else None,
             "pid": os.getpid(),
         }
 

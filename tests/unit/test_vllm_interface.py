@@ -4,16 +4,17 @@ sequence, buckets and the checks before sending. The real server is in tests/int
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from llmrl.config import InferenceConfig, VLLMConfig, config_from_dict
+from llmrl.config import ConfigError, InferenceConfig, VLLMConfig, config_from_dict
 from llmrl.inference.openai import UnsupportedServerError, WeightSyncError
 from llmrl.inference.vllm import VLLMInterface, find_vllm_python
-from llmrl.weights import check_weights, weight_buckets
+from llmrl.weights import AdapterWeights, check_weights, read_adapter, weight_buckets
 
 STATE = {
     "model.embed_tokens.weight": torch.randn(8, 4),
@@ -282,3 +283,170 @@ def test_a_restarted_managed_server_is_announced_in_one_line(caplog):
         "it was killed by SIGKILL; given weights version 4"
     ]
     assert endpoint.restarts == 1 and server.weight_version == "4"
+
+
+# -- LoRA adapters -------------------------------------------------------------------------------
+
+LORA_FACTS = {"lora": {"max_lora_rank": 8, "max_loras": 3}}
+
+
+def scripted_adapter(seed: int) -> AdapterWeights:
+    """A rank-4 adapter of two of STATE's linear layers, in PEFT's names and config."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj"):
+        out_features, in_features = STATE[f"{module}.weight"].shape
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, in_features, generator=generator)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(
+            out_features, 4, generator=generator
+        )
+    return AdapterWeights(tensors, {"r": 4, "lora_alpha": 8, "peft_type": "LORA"})
+
+
+class GeneratingVLLM(ScriptedVLLM):
+    """Also answers chat completions, recording the model each asked for."""
+
+    def __init__(self, **facts: Any):
+        super().__init__(**facts)
+        self.models: list[str] = []
+        self.loads: list[dict[str, str]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            self.models.append(json.loads(request.content)["model"])
+            choice = {
+                "message": {"content": "1"},
+                "token_ids": [5],
+                "logprobs": {"content": [{"logprob": -0.1}]},
+            }
+            return httpx.Response(200, json={"choices": [choice], "prompt_token_ids": [1, 2]})
+        if request.url.path == "/v1/load_lora_adapter" and request.content:  # not the start-up probe
+            self.loads.append(json.loads(request.content))
+        return super().__call__(request)
+
+
+def lora_interface(server: ScriptedVLLM, weights_dir=None) -> VLLMInterface:
+    return VLLMInterface(
+        ["http://vllm:8000"],
+        config=VLLMConfig(max_loras=3),
+        transport=httpx.MockTransport(server),
+        lora_rank=4,
+        weights_dir=weights_dir,
+    )
+
+
+def ask(vllm: VLLMInterface) -> int:
+    from llmrl.types import ChatMessage, InferenceRequest
+
+    prompt = [ChatMessage(role="user", content="1 + 1 =")]
+    return vllm.generate(InferenceRequest(prompt=prompt))[0].policy_version
+
+
+def test_each_adapter_version_loads_under_its_own_name_and_the_requests_after_it_ask_for_it(tmp_path):
+    server = GeneratingVLLM(**LORA_FACTS)
+    vllm = lora_interface(server, tmp_path)
+    server.calls.clear()
+    vllm.update_weights(scripted_adapter(1), version=1)
+    assert server.calls == ["/v1/load_lora_adapter"]  # no pause: running requests keep their version
+    first = server.loads[0]
+    assert first["lora_name"].startswith("llmrl-v1-")
+    assert read_adapter(first["lora_path"]).config["r"] == 4  # PEFT's folder, in weights_dir
+    assert Path(first["lora_path"]).parent == tmp_path
+    assert ask(vllm) == 1 and server.models[-1] == first["lora_name"]
+
+    # A request still running on version 1 keeps it loaded through the next sync ...
+    vllm._endpoints[0].adapter_requests[first["lora_name"]] += 1
+    vllm.update_weights(scripted_adapter(2), version=2)
+    second = server.loads[1]
+    assert "/v1/unload_lora_adapter" not in server.calls and Path(first["lora_path"]).is_dir()
+    assert ask(vllm) == 2 and server.models[-1] == second["lora_name"]
+    # ... and once it is done, the sync after that unloads it and deletes its folder.
+    vllm._endpoints[0].adapter_requests[first["lora_name"]] -= 1
+    vllm.update_weights(scripted_adapter(3), version=3)
+    assert server.calls.count("/v1/unload_lora_adapter") == 2  # versions 1 and 2
+    assert [p.name for p in tmp_path.iterdir()] == [server.loads[2]["lora_name"]]
+    vllm.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_adapter_is_checked_against_the_served_checkpoint_and_the_interface_takes_one_kind():
+    server = GeneratingVLLM(**LORA_FACTS)
+    vllm = lora_interface(server)
+    server.calls.clear()
+    wrong = scripted_adapter(1)
+    wrong.tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = torch.ones(5, 4)
+    with pytest.raises(ValueError, match=r"gate_proj.lora_B.weight.*shape \[5, 4\].*\[6, 4\]"):
+        vllm.update_weights(wrong, version=1)
+    with pytest.raises(WeightSyncError, match="this interface serves adapters"):
+        vllm.update_weights(STATE, version=1)
+    with pytest.raises(WeightSyncError, match="this interface serves whole weights"):
+        interface(ScriptedVLLM()).update_weights(scripted_adapter(1), version=1)
+    assert server.calls == []
+
+
+@pytest.mark.parametrize(
+    ("facts", "load_route", "lacks"),
+    [
+        ({"lora": None}, 400, ["--enable-lora --max-lora-rank 8 --max-loras 3"]),
+        ({"lora": {"max_lora_rank": 1, "max_loras": 2}}, 400, ["--max-lora-rank 8", "--max-loras 3"]),
+        (LORA_FACTS, 404, ["VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"]),
+    ],
+)
+def test_a_server_without_lora_for_the_adapters_is_named_with_the_missing_flags(facts, load_route, lacks):
+    from llmrl.inference.vllm import IncompatibleServerError
+
+    server = ScriptedVLLM(**facts)
+    server.fail["/v1/load_lora_adapter"] = load_route  # 400: the route is there (an empty load)
+    with pytest.raises(IncompatibleServerError) as refused:
+        lora_interface(server)
+    message = str(refused.value)
+    assert all(flag in message.split("lacks: ")[1].split(". Start it")[0] for flag in lacks), message
+    assert message.startswith("vLLM at http://vllm:8000 cannot be trained from")
+    assert " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve MODEL " in message
+    assert message.endswith("--enable-lora --max-lora-rank 8 --max-loras 3")
+
+
+def test_managed_servers_of_adapters_get_lora_flags_and_their_routes(tmp_path):
+    import sys
+
+    from llmrl.config import load_config
+    from llmrl.inference.vllm import VLLMServer
+
+    config = load_config(None, ["inference.type=vllm", "model.lora={rank: 12}", "training.generation_lag=2"])
+    assert config.inference.vllm.max_loras == 4  # the lag's versions (3) and the one loading
+    server = VLLMServer(
+        model="m",
+        dtype="float32",
+        config=config.inference.vllm.model_copy(update={"python": sys.executable}),
+        port=1,
+        log_path=tmp_path / "log",
+        seed=0,
+        lora_rank=12,
+    )
+    assert " --enable-lora --max-lora-rank 16 --max-loras 4" in " ".join(server.command())
+    assert server.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    full = VLLMServer(model="m", dtype="float32", config=server.config, port=1, log_path=tmp_path, seed=0)
+    assert "--enable-lora" not in full.command()
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in full.environment()
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        load_config(None, ["inference.type=vllm", "model.lora={rank: 600}"])
+
+
+def test_a_restarted_managed_server_loads_the_last_adapter_again_and_serves_it(tmp_path):
+    server = GeneratingVLLM(**LORA_FACTS)
+    managed = FakeServer()
+    vllm = VLLMInterface(
+        ["http://vllm:8000"],
+        config=VLLMConfig(max_loras=3),
+        servers=[managed],
+        transport=httpx.MockTransport(server),
+        lora_rank=4,
+        weights_dir=tmp_path,
+    )
+    vllm.update_weights(scripted_adapter(1), version=1)
+    vllm.update_weights(scripted_adapter(2), version=2)
+    managed.up = False
+    assert vllm._recover(vllm._endpoints[0], "a request failed (ConnectError)")
+    assert [load["lora_name"] for load in server.loads[1:]] == [server.loads[1]["lora_name"]] * 2
+    assert vllm._endpoints[0].loaded_adapters == {server.loads[1]["lora_name"]}
+    assert ask(vllm) == 2 and server.models[-1] == server.loads[1]["lora_name"]

@@ -9,13 +9,22 @@ carries the version in force when it was admitted.
 
 Everything sent is checked first, against the tensor manifest of the served checkpoint: every name
 present (fused q/k/v and gate/up pieces travel together), same shapes, floating point and finite.
+
+With LoRA (`lora_rank`), a sync sends no weights: each adapter version is written once in PEFT's
+format (to `weights_dir`, or a temporary folder of this interface) and loaded on every server under
+a name of its own, which the requests admitted from then on carry as their ``model``. Requests are
+not held back: a running request keeps the adapter version it was admitted under (and is stamped
+with it), and a version is unloaded, its folder deleted, once no request uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,7 @@ from llmrl.inference.vllm.server import VLLMServer, served_model_path, server_de
 from llmrl.processes import free_port
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import (
+    AdapterWeights,
     Bucket,
     Weights,
     WeightSyncError,
@@ -38,12 +48,27 @@ from llmrl.weights import (
     check_version,
     check_weights,
     delete_bucket_files,
+    manifest_tensors,
+    read_adapter,
     serialised_buckets,
     weight_parts,
 )
 from llmrl.weights.nccl import NCCLTransport
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """One adapter version as the servers load it: its name (new for each version, so requests running
+    on an older one keep it) and its PEFT folder."""
+
+    name: str
+    folder: Path
+
+
+Served = list[Bucket] | AdapterVersion
+"""What a server is given to serve a version: weight buckets, or an adapter to load."""
 
 
 class VLLMInterface:
@@ -62,6 +87,7 @@ class VLLMInterface:
         weights_dir: str | Path | None = None,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        lora_rank: int | None = None,
     ):
         """
         Args:
@@ -75,18 +101,25 @@ class VLLMInterface:
             weights_dir: folder the trainer and the servers both read (transport `disk`).
             api_key: bearer token of external servers.
             transport: the httpx transport of every client (tests pass a mock).
+            lora_rank: the rank of the LoRA adapters each sync sends (None: whole weights); the
+                servers must hold `config.max_loras` adapters of it.
         """
         if not base_urls:
             raise ConfigError("inference.base_url: give at least one server")
         if config.transport == "disk" and weights_dir is None:
             raise ConfigError("inference.weights_dir: required with inference.vllm.transport 'disk'")
+        if lora_rank is not None and config.max_loras is None:
+            raise ConfigError("inference.vllm.max_loras: required with LoRA adapters")
         self.config = config
+        self.lora_rank = lora_rank
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.bucket_bytes = bucket_mb << 20
         self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
+        self._adapters_root = self.weights_dir  # made a temporary folder at the first adapter sync if None
         self._lock = threading.Lock()
         self._version: int | None = None  # None until the first sync
-        self._last_good: tuple[int, list[Bucket]] | None = None  # what a restarted server is given
+        self._last_good: tuple[int, Served] | None = None  # what a restarted server is given
+        self._adapter_folders: dict[str, Path] = {}  # by adapter name, until no server holds it
         self._nccl: NCCLTransport | None = None
         # A managed server's failed request is retried once it has been restarted: no retries
         # (and no warning each) before that.
@@ -112,7 +145,7 @@ class VLLMInterface:
         self._routes = [VLLMRoutes(endpoint, settings) for endpoint in self._endpoints]
         try:
             for routes in self._routes:
-                facts = run_blocking(check_trainable(routes, config))
+                facts = run_blocking(check_trainable(routes, config, lora_rank))
                 routes.endpoint.manifest = facts.get("manifest") or {}
         except BaseException:
             self.close()
@@ -125,6 +158,7 @@ class VLLMInterface:
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
         logging to ``run_dir/vllm/`` (a temporary folder without a run)."""
         vllm = config.vllm
+        lora_rank = model.lora.rank if model.lora is not None else None
         common = dict(
             config=vllm,
             request_timeout_s=config.request_timeout_s,
@@ -132,6 +166,7 @@ class VLLMInterface:
             weight_sync_timeout_s=config.weight_sync_timeout_s,
             bucket_mb=config.weight_sync_bucket_mb,
             api_key=api_key_from_env(config),
+            lora_rank=lora_rank,
         )
         if config.base_url:
             urls = config.base_url if isinstance(config.base_url, list) else [config.base_url]
@@ -152,6 +187,7 @@ class VLLMInterface:
                     seed=seed,
                     log_path=folder / f"server-{index}.log",
                     devices=devices,
+                    lora_rank=lora_rank,
                 )
                 servers.append(server)
                 server.spawn()
@@ -198,9 +234,11 @@ class VLLMInterface:
                 await asyncio.to_thread(endpoint.open.wait)
             with self._lock:
                 endpoint.outstanding += 1
-                version = endpoint.version
+                version, adapter = endpoint.version, endpoint.adapter
+                if adapter is not None:
+                    endpoint.adapter_requests[adapter] += 1
             try:
-                responses = await endpoint.client.agenerate(request)
+                responses = await endpoint.client.agenerate(request, model=adapter)
                 endpoint.served += 1
                 endpoint.reachability.observe(200)
                 return [r.model_copy(update={"policy_version": version}) for r in responses]
@@ -215,6 +253,8 @@ class VLLMInterface:
             finally:
                 with self._lock:
                     endpoint.outstanding -= 1
+                    if adapter is not None:
+                        endpoint.adapter_requests[adapter] -= 1
 
     def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
         """Blocking form of `agenerate` (not from inside a running event loop)."""
@@ -234,7 +274,7 @@ class VLLMInterface:
 
     # -- recovery --------------------------------------------------------------------------------
 
-    def _recover(self, endpoint: Endpoint, why: str, weights: tuple[int, list[Bucket]] | None = None) -> bool:
+    def _recover(self, endpoint: Endpoint, why: str, weights: tuple[int, Served] | None = None) -> bool:
         """Make a managed server that failed serve again: restart it when it no longer answers, then
         give it `weights` (a sync it failed; a healthy server is given them again) or, after a
         restart without them, the last good weights. Returns whether it serves (False for external
@@ -257,9 +297,10 @@ class VLLMInterface:
                     endpoint.restarts += 1
                     server.stop()
                     server.start()
+                    endpoint.loaded_adapters.clear()
                 if target is not None:
-                    version, buckets = target
-                    run_in_new_loop(routes.sync(buckets, version))
+                    version, served = target
+                    run_in_new_loop(self._serve(routes, served, version))
                 if restart:
                     given = (
                         f"weights version {target[0]}"
@@ -300,6 +341,20 @@ class VLLMInterface:
             return
         if not reset and self._version is not None and version < self._version:
             raise WeightSyncError(f"version {version} is older than the served version {self._version}")
+        weights = (
+            read_adapter(state_dict_or_path)
+            if isinstance(state_dict_or_path, (str, Path))
+            else state_dict_or_path
+        )
+        if isinstance(weights, AdapterWeights) != (self.lora_rank is not None):
+            raise WeightSyncError(
+                "LoRA adapters go to servers started for them (model.lora) and whole weights to others: "
+                f"this interface serves {'adapters' if self.lora_rank is not None else 'whole weights'}"
+            )
+        if isinstance(weights, AdapterWeights):
+            self._sync_adapter(weights, version)
+            self._version = version
+            return
         manifests = [(endpoint.manifest, endpoint.url) for endpoint in self._endpoints if endpoint.manifest]
         names: set[str] = set()
         state: dict[str, torch.Tensor] = {}  # NCCL only
@@ -331,18 +386,72 @@ class VLLMInterface:
             run_blocking(self._sync_all(buckets, version))
             previous, self._last_good = self._last_good, (version, buckets)
             if previous is not None:
+                assert isinstance(previous[1], list)  # an interface serves whole weights or adapters only
                 delete_bucket_files(previous[1])
         self._version = version
 
-    async def _sync_all(self, buckets: list[Bucket], version: int) -> None:
-        syncs = [self._gated(routes, buckets, version) for routes in self._routes]
+    def _sync_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Write the adapter once, load it on every server and switch their requests to it; unload (and
+        delete) the versions no request uses any more."""
+        for endpoint in self._endpoints:
+            if not endpoint.manifest:  # transport nccl: vLLM's backend reports none
+                continue
+            try:
+                adapter.check(manifest_tensors(endpoint.manifest))
+            except ValueError as exc:
+                raise ValueError(f"{exc} (the model served at {endpoint.url})") from None
+        name = f"llmrl-v{version}-{secrets.token_hex(4)}"
+        loaded = AdapterVersion(name, adapter.save(self._adapters_dir() / name))
+        self._adapter_folders[name] = loaded.folder
+        run_blocking(self._sync_all(loaded, version))
+        self._last_good = (version, loaded)
+        for old, folder in list(self._adapter_folders.items()):
+            if old != name and not any(old in e.loaded_adapters for e in self._endpoints):
+                shutil.rmtree(folder, ignore_errors=True)
+                del self._adapter_folders[old]
+
+    def _adapters_dir(self) -> Path:
+        if self._adapters_root is None:
+            self._adapters_root = Path(temporary_folder())
+        return self._adapters_root
+
+    async def _serve(self, routes: VLLMRoutes, served: Served, version: int) -> None:
+        """Make one server serve `version`: its weights (the whole sync sequence) or its adapter."""
+        if isinstance(served, AdapterVersion):
+            await self._load_adapter(routes, served, version)
+        else:
+            await routes.sync(served, version)
+
+    async def _load_adapter(self, routes: VLLMRoutes, adapter: AdapterVersion, version: int) -> None:
+        """Load `adapter`, send the requests admitted from now on to it, then unload the older versions
+        that no request uses (a request counts itself in under the same lock it reads the adapter)."""
+        await routes.load_adapter(adapter.name, str(adapter.folder))
+        endpoint = routes.endpoint
+        with self._lock:
+            endpoint.loaded_adapters.add(adapter.name)
+            endpoint.adapter, endpoint.version = adapter.name, version
+            idle = [
+                name
+                for name in endpoint.loaded_adapters
+                if name != adapter.name and not endpoint.adapter_requests[name]
+            ]
+        for name in idle:
+            await routes.unload_adapter(name)
+            endpoint.loaded_adapters.discard(name)
+            endpoint.adapter_requests.pop(name, None)
+
+    async def _sync_all(self, served: Served, version: int) -> None:
+        if isinstance(served, AdapterVersion):
+            syncs = [self._load_adapter(routes, served, version) for routes in self._routes]
+        else:
+            syncs = [self._gated(routes, served, version) for routes in self._routes]
         results = await asyncio.gather(*syncs, return_exceptions=True)
         failures = [
             (r, e) for r, e in zip(self._routes, results, strict=True) if isinstance(e, BaseException)
         ]
         for routes, error in failures:
             why = f"a weight sync failed ({error})"
-            if not await asyncio.to_thread(self._recover, routes.endpoint, why, (version, buckets)):
+            if not await asyncio.to_thread(self._recover, routes.endpoint, why, (version, served)):
                 raise (
                     error
                     if isinstance(error, WeightSyncError)
@@ -372,8 +481,10 @@ class VLLMInterface:
 
     def close(self) -> None:
         """Stop the managed servers and delete the weight files this interface wrote."""
-        if self._last_good is not None:
+        if self._last_good is not None and isinstance(self._last_good[1], list):
             delete_bucket_files(self._last_good[1])
+        for folder in self._adapter_folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
         for endpoint in self._endpoints:
             if endpoint.server is not None:
                 endpoint.server.close()

@@ -1,8 +1,10 @@
 """Whether a vLLM server can be trained from, checked before the first request.
 
 Training needs the dev-mode routes (``VLLM_SERVER_DEV_MODE=1``), llmrl's worker extension, the
-transfer backend of the chosen transport and processed logprobs. A server lacking any of them is a
-user error: one line names everything found missing and the command that starts a compatible server.
+transfer backend of the chosen transport and processed logprobs; with LoRA, the adapter routes
+(``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), LoRA at a rank at least the adapters' and the adapter
+slots of `VLLMConfig.max_loras`. A server lacking any of them is a user error: one line names
+everything found missing and the command that starts a compatible server.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from llmrl.config import VLLMConfig
 from llmrl.errors import UserError
 from llmrl.inference.openai import InferenceServerError, UnsupportedServerError
 from llmrl.inference.vllm.routes import VLLMRoutes
-from llmrl.inference.vllm.server import EXTENSION_CLASS, training_flags, transfer_backend
+from llmrl.inference.vllm.server import (
+    EXTENSION_CLASS,
+    max_lora_rank,
+    training_environment,
+    training_flags,
+    transfer_backend,
+)
 from llmrl.weights import WeightSyncError
 
 
@@ -22,9 +30,12 @@ class IncompatibleServerError(UnsupportedServerError, UserError):
     """A vLLM server was started without what training needs; the message says how to start it."""
 
 
-async def check_trainable(routes: VLLMRoutes, config: VLLMConfig) -> dict[str, Any]:
+async def check_trainable(
+    routes: VLLMRoutes, config: VLLMConfig, lora_rank: int | None = None
+) -> dict[str, Any]:
     """The server's facts (`llmrl_server_facts` of the worker extension), or `IncompatibleServerError`
-    naming every missing flag; `InferenceServerError` when it does not answer at all."""
+    naming every missing flag; `InferenceServerError` when it does not answer at all. `lora_rank`:
+    the rank of the LoRA adapters it will be sent (None: full weights)."""
     try:
         await routes.call("GET", "/health")
     except WeightSyncError as exc:
@@ -48,10 +59,13 @@ async def check_trainable(routes: VLLMRoutes, config: VLLMConfig) -> dict[str, A
             )
     if facts:
         missing += _missing_settings(facts, config)
+    if lora_rank is not None:
+        missing += await _missing_lora(routes, facts, config, lora_rank)
     if missing:
+        command = compatible_command(await _model(routes), config, lora_rank)
         raise IncompatibleServerError(
             f"vLLM at {routes.url} cannot be trained from; it lacks: {'; '.join(missing)}. Start it (with llmrl "
-            f"installed beside vLLM: pip install --no-deps llmrl) as: {compatible_command(await _model(routes), config)}"
+            f"installed beside vLLM: pip install --no-deps llmrl) as: {command}"
         )
     return facts
 
@@ -71,9 +85,39 @@ def _missing_settings(facts: dict[str, Any], config: VLLMConfig) -> list[str]:
     return missing
 
 
-def compatible_command(model: str, config: VLLMConfig) -> str:
+async def _missing_lora(
+    routes: VLLMRoutes, facts: dict[str, Any], config: VLLMConfig, lora_rank: int
+) -> list[str]:
+    missing = []
+    if await _route_missing(routes, "POST", "/v1/load_lora_adapter"):
+        missing.append(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (adapters are loaded at each sync)"
+        )
+    if not facts:
+        return missing  # the rest is read through the worker extension
+    lora = facts.get("lora")
+    if lora is None:
+        missing.append(
+            f"--enable-lora --max-lora-rank {max_lora_rank(lora_rank)} --max-loras {config.max_loras}"
+        )
+        return missing
+    if lora["max_lora_rank"] < lora_rank:
+        missing.append(
+            f"--max-lora-rank {max_lora_rank(lora_rank)} for rank-{lora_rank} adapters "
+            f"(it has {lora['max_lora_rank']})"
+        )
+    if lora["max_loras"] < config.max_loras:
+        missing.append(
+            f"--max-loras {config.max_loras}, the adapter versions requests may run on at once "
+            f"(it has {lora['max_loras']})"
+        )
+    return missing
+
+
+def compatible_command(model: str, config: VLLMConfig, lora_rank: int | None = None) -> str:
     """The shell command that starts a vLLM server of `model` that llmrl can train from."""
-    return "VLLM_SERVER_DEV_MODE=1 vllm serve " + shlex.join([model, *training_flags(config)])
+    environment = " ".join(f"{k}={v}" for k, v in training_environment(lora_rank is not None).items())
+    return f"{environment} vllm serve " + shlex.join([model, *training_flags(config, lora_rank)])
 
 
 async def _route_missing(routes: VLLMRoutes, method: str, path: str) -> bool:

@@ -11,6 +11,13 @@ around its broadcast, `llmrl.weights.nccl`)::
     POST /resume                   always, retried: a lost resume would leave it paused
     GET  /weight_info              must read back the version
 
+A LoRA adapter sync needs no pause: each version is loaded under a name of its own, which the
+requests admitted from then on carry as their ``model``, so a running request keeps the adapter it
+started with; versions no request uses any more are unloaded at the next sync::
+
+    POST /v1/load_lora_adapter {"lora_name": "<name of the version>", "lora_path": "<PEFT folder>"}
+    POST /v1/unload_lora_adapter {"lora_name": "<an older version's name>"}
+
 Every call has a timeout and a failure raises `WeightSyncError` naming the server and the call.
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +49,9 @@ class Endpoint:
     outstanding: int = 0
     served: int = 0  # requests answered
     version: int = 0
+    adapter: str | None = None  # the LoRA adapter version requests are sent to (None: the weights)
+    adapter_requests: Counter[str] = field(default_factory=Counter)  # outstanding requests per adapter
+    loaded_adapters: set[str] = field(default_factory=set)
     restarts: int = 0
     manifest: Manifest = field(default_factory=dict)
     reachability: Reachability = field(default_factory=Reachability)
@@ -172,6 +183,19 @@ class VLLMRoutes:
                 if attempt == 2:
                     raise
                 await asyncio.sleep(0.5 * 2**attempt)
+
+    # -- LoRA adapters -------------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self.call(
+            "POST",
+            "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": path},
+            timeout_s=self.settings.transfer_timeout_s,
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     # -- NCCL ------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from llmrl.config import ModelConfig, VLLMConfig
+from llmrl.config import VLLM_LORA_RANKS, ConfigError, ModelConfig, VLLMConfig
 from llmrl.inference.vllm.processes import die_with_parent, forget, kill_session_leftovers, stop_at_exit
 
 EXTENSION_CLASS = "llmrl.weights.vllm_worker.LlmrlWorkerExtension"
@@ -33,9 +33,10 @@ def transfer_backend(config: VLLMConfig) -> str:
     return "nccl" if config.transport == "nccl" else TRANSFER_BACKEND
 
 
-def training_flags(config: VLLMConfig) -> list[str]:
-    """The server flags training needs (besides VLLM_SERVER_DEV_MODE=1 in its environment)."""
-    return [
+def training_flags(config: VLLMConfig, lora_rank: int | None = None) -> list[str]:
+    """The server flags training needs (besides `training_environment`); with `lora_rank`, those that
+    let it load a new adapter version at each sync beside `config.max_loras` - 1 older ones."""
+    flags = [
         "--logprobs-mode",
         "processed_logprobs",
         "--worker-extension-cls",
@@ -43,6 +44,28 @@ def training_flags(config: VLLMConfig) -> list[str]:
         "--weight-transfer-config",
         f'{{"backend": "{transfer_backend(config)}"}}',
     ]
+    if lora_rank is not None:
+        if config.max_loras is None:  # a run's config fills it in; code that builds servers gives it
+            raise ConfigError("inference.vllm.max_loras: required for a server of LoRA adapters")
+        flags += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(max_lora_rank(lora_rank)),
+            "--max-loras",
+            str(config.max_loras),
+        ]
+    return flags
+
+
+def training_environment(lora: bool) -> dict[str, str]:
+    """The environment variables training needs in a server: the dev-mode routes (weight syncs), and
+    with LoRA the routes that load and unload adapters."""
+    return {"VLLM_SERVER_DEV_MODE": "1"} | ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {})
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM takes that serves adapters of `rank`."""
+    return next(allowed for allowed in VLLM_LORA_RANKS if allowed >= rank)
 
 
 def find_vllm_python(configured: str | None) -> str:
@@ -84,6 +107,7 @@ class VLLMServer:
         log_path: Path,
         seed: int,
         devices: str | None = None,
+        lora_rank: int | None = None,
     ):
         self.model = model
         self.dtype = dtype
@@ -92,6 +116,7 @@ class VLLMServer:
         self.log_path = log_path
         self.seed = seed
         self.devices = devices
+        self.lora_rank = lora_rank  # None: no LoRA adapters
         self.python = find_vllm_python(config.python)
         self.process: subprocess.Popen[bytes] | None = None
         # A child dies with the thread that started it (PR_SET_PDEATHSIG), so every start runs on
@@ -119,7 +144,7 @@ class VLLMServer:
             self.config.host,
             "--port",
             str(self.port),
-            *training_flags(self.config),
+            *training_flags(self.config, self.lora_rank),
             "--tensor-parallel-size",
             str(self.config.tensor_parallel_size),
             "--gpu-memory-utilization",
@@ -135,7 +160,8 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kv_cache_gib)}
+        env |= training_environment(self.lora_rank is not None)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         return env | self.config.env
