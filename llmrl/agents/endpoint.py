@@ -49,6 +49,7 @@ from llmrl.agents.base import INFERENCE_FAILURE, request_args
 from llmrl.agents.tool_parsers import ParsedCompletion
 from llmrl.agents.trajectory import Trajectory
 from llmrl.inference.interface import InferenceInterface
+from llmrl.inference.openai import UnsupportedServerError
 from llmrl.inference.prompts import follow_up_ids
 from llmrl.types import (
     ChatBody,
@@ -163,9 +164,11 @@ class Episode:
         request = InferenceRequest(prompt="", prompt_token_ids=prompt_ids, generation_args=args, n=body.n)
         try:
             responses = await asyncio.wait_for(self.inference.agenerate(request), self.timeout_s)
-        except ValueError as exc:  # the interface's verdict on the request (prompt too long, ...)
-            raise _Refused(400, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a failed inference fails the episode, not the run
+            if isinstance(exc, ValueError) and not isinstance(exc, UnsupportedServerError):
+                # The interface's verdict on the program's request (prompt too long, ...): the program's
+                # to handle. A server that cannot serve training, or answers 4xx/5xx, fails the episode.
+                raise _Refused(400, str(exc)) from None
             self.failure = f"{INFERENCE_FAILURE} {type(exc).__name__}: {exc}"[:500]
             raise _Refused(502, self.failure) from None
         parsed = [

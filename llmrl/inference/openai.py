@@ -14,6 +14,12 @@ timeouts, 408/429 and 5xx, never on other 4xx (the server's message is raised at
 `max_concurrent` requests are in flight
 per event loop; each loop gets its own HTTP client, since `generate` runs every call in a new loop.
 A request for more than `max_n` completions (the llmrl server's limit, 64) is sent in parts.
+
+A request that continues from ``prompt_token_ids`` (multi-turn) goes to llmrl's server as it is: the
+server renders the rest of the prompt after those ids. Servers without that extension (vLLM, SGLang)
+take a list of token ids as a completions prompt instead: given the model's `tokenizer`, this client
+renders the whole prompt into ids the way the embedded engine does (`llmrl.inference.prompts`) and
+sends them to ``/completions``, so a conversation continues token for token whatever the server.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import httpx
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.interface import Health, Reachability, run_blocking, run_sync
+from llmrl.inference.prompts import request_prompt_ids
 from llmrl.seeding import derive_seed
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
 from llmrl.weights import Weights, WeightSyncError
@@ -77,6 +84,7 @@ class OpenAIInterface:
         weights_dir: str | Path | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_n: int = 64,
+        tokenizer: Any | None = None,
     ):
         """
         Args:
@@ -92,6 +100,9 @@ class OpenAIInterface:
             transport: the httpx transport of every client (tests pass an ASGI or mock transport).
             max_n: most completions one request asks for (the llmrl server's default limit); a
                 larger `n` is sent as several requests, each with its own seed derived from the request's.
+            tokenizer: the served model's tokenizer: requests with ``prompt_token_ids`` are rendered
+                into ids here and sent as a token prompt. None: they are sent with llmrl's
+                ``prompt_token_ids`` extension, which only llmrl's server reads.
         """
         if not timeout_s > 0 or not weight_sync_timeout_s > 0:
             raise ValueError(f"timeouts must be > 0, got {timeout_s} and {weight_sync_timeout_s}")
@@ -109,6 +120,7 @@ class OpenAIInterface:
         self.backoff_s = backoff_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
+        self.tokenizer = tokenizer
         self._weights = LlmrlServerTransport(self._post_weights, self._run_closing, self.weights_dir)
         self._api_key = api_key
         self._transport = transport
@@ -173,8 +185,13 @@ class OpenAIInterface:
                 *(self.agenerate(part, model=model) for part in _split(request, self.max_n))
             )
             return [response for part in parts for response in part]
-        chat = not isinstance(request.prompt, str)
-        body = _request_body(request, model or await self._model_name())
+        prompt_ids = (
+            request_prompt_ids(self.tokenizer, request)
+            if request.prompt_token_ids is not None and self.tokenizer is not None
+            else None
+        )
+        chat = prompt_ids is None and not isinstance(request.prompt, str)
+        body = _request_body(request, model or await self._model_name(), prompt_ids)
         session = self._session()
         async with session.slots:
             data = await self._call(
@@ -307,8 +324,9 @@ def _normalise_base_url(base_url: str) -> str:
     return url if url.endswith("/v1") else f"{url}/v1"
 
 
-def _request_body(request: InferenceRequest, model: str) -> dict[str, Any]:
-    """The request in OpenAI's fields, plus the options that make llmrl, vLLM and SGLang return token ids."""
+def _request_body(request: InferenceRequest, model: str, prompt_ids: list[int] | None) -> dict[str, Any]:
+    """The request in OpenAI's fields, plus the options that make llmrl, vLLM and SGLang return token ids;
+    `prompt_ids`, when given, is the whole prompt, sent as a completions prompt of token ids."""
     args = request.generation_args
     body: dict[str, Any] = {
         "model": model,
@@ -318,7 +336,9 @@ def _request_body(request: InferenceRequest, model: str) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "return_token_ids": True,
     }
-    if isinstance(request.prompt, str):
+    if prompt_ids is not None:
+        body.update(prompt=prompt_ids, logprobs=1)
+    elif isinstance(request.prompt, str):
         body.update(prompt=request.prompt, logprobs=1)  # SGLang returns no logprobs for logprobs=0
     else:
         body.update(
@@ -335,9 +355,9 @@ def _request_body(request: InferenceRequest, model: str) -> dict[str, Any]:
         "presence_penalty": args.presence_penalty,
         "min_tokens": args.min_tokens,
         "ignore_eos": args.ignore_eos,
-        "chat_template_kwargs": args.chat_template_kwargs if not isinstance(request.prompt, str) else None,
+        "chat_template_kwargs": args.chat_template_kwargs if "messages" in body else None,
         "stop_token_ids": list(args.stop_token_ids),
-        "prompt_token_ids": request.prompt_token_ids,
+        "prompt_token_ids": request.prompt_token_ids if prompt_ids is None else None,
     }
     body.update({name: value for name, value in extensions.items() if value})
     return body
@@ -361,7 +381,8 @@ def _parse_responses(
         prefix = request.prompt_token_ids
         if prefix is not None and prompt_ids[: len(prefix)] != prefix:
             raise UnsupportedServerError(
-                "the server ignored prompt_token_ids (multi-turn continuation needs the llmrl server)"
+                "the server ignored prompt_token_ids (multi-turn continuation needs the llmrl server, or the "
+                "model's tokenizer given to this client to send the prompt as token ids)"
             )
         responses.append(_parse_choice(choice, prompt_ids, chat, version))
     return responses

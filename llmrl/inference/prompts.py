@@ -21,7 +21,7 @@ def prompt_token_ids(
     """The ids `request`'s completions follow; `ValueError` for a prompt that fills the `context`,
     `max_tokens` beyond it, or ids outside the vocabulary (prompt or stop token ids)."""
     args = request.generation_args
-    prompt_ids = _tokenize(tokenizer, request)
+    prompt_ids = request_prompt_ids(tokenizer, request)
     if not prompt_ids:
         raise ValueError("prompt: it encodes to no tokens")
     if len(prompt_ids) >= context:
@@ -44,8 +44,9 @@ def prompt_token_ids(
     return prompt_ids
 
 
-def _tokenize(tokenizer: Any, request: InferenceRequest) -> list[int]:
-    """Prompt ids: the chat template or the plain text, after `prompt_token_ids` when given."""
+def request_prompt_ids(tokenizer: Any, request: InferenceRequest) -> list[int]:
+    """Prompt ids: the chat template or the plain text, after `prompt_token_ids` when given. Unchecked:
+    the client of a server that checks prompts itself (vLLM) renders continuations with this too."""
     prefix, prompt = request.prompt_token_ids, request.prompt
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]

@@ -18,6 +18,7 @@ import pytest
 from llmrl.agents.openai_agent import OpenAIAgent
 from llmrl.agents.tool_parsers import ParsedToolCall, parse_hermes
 from llmrl.config import AlgorithmConfig
+from llmrl.inference.openai import InferenceServerError, UnsupportedServerError
 from llmrl.registry import import_plugins
 from llmrl.trainer.rollouts import prepare_batch
 from llmrl.types import GenerationArgs, InferenceRequest, InferenceResponse
@@ -257,6 +258,28 @@ def test_a_program_that_raises_becomes_a_counted_placeholder(programs, data_file
     assert [r.status for r in rollouts] == ["placeholder"] * 2
     assert rollouts[0].failure_reason == "program: RuntimeError: the program broke"
     assert agent.pop_metrics() == {"failures/program": 2.0, "placeholders": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("error", "stage"),
+    [
+        (InferenceServerError("POST /v1/completions answered 400: too long", status=400), "inference"),
+        (InferenceServerError("POST /v1/completions answered 503", status=503), "inference"),
+        (UnsupportedServerError("the server ignored prompt_token_ids"), "inference"),
+        (ValueError("prompt: 300 tokens leave no room"), "program"),  # the program's request, its to handle
+    ],
+)
+def test_a_failed_inference_call_is_counted_under_inference(programs, data_file, error, stage):
+    agent = make_agent(programs, data_file, "raises")
+    inference = CraftedInference(agent.tokenizer, lambda i, prompt: "ok")
+
+    async def failing(request):
+        raise error
+
+    inference.agenerate = failing
+    (rollout,) = draw(agent, inference).rollouts
+    assert rollout.status == "placeholder" and rollout.failure_reason.startswith(f"{stage}: ")
+    assert agent.pop_metrics() == {f"failures/{stage}": 1.0, "placeholders": 1.0}
 
 
 def test_a_program_past_its_call_limit_becomes_a_placeholder(programs, data_file):

@@ -23,6 +23,7 @@ from llmrl.inference.openai import (
     UnsupportedServerError,
     WeightSyncError,
 )
+from llmrl.inference.prompts import prompt_token_ids
 from llmrl.server.inference_server import create_inference_app
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 
@@ -290,6 +291,37 @@ def test_servers_without_token_data_are_refused(answer, field):
     )
     with pytest.raises(UnsupportedServerError, match=f"`{field}`.*cannot be trained from"):
         remote.generate(InferenceRequest(prompt="q"))
+
+
+@pytest.mark.parametrize(
+    "follow_up", [[ChatMessage(role="user", content="No. 1 + 2 =")], " and 3 + 4 =", ""], ids=repr
+)
+def test_with_the_tokenizer_a_continuation_is_sent_as_the_engines_prompt_ids(tiny_model, follow_up):
+    """vLLM and SGLang read no prompt_token_ids field; they take token ids as a completions prompt."""
+    _, tokenizer = tiny_model
+
+    def echo(request: httpx.Request, attempt: int) -> httpx.Response:
+        body = json.loads(request.content)
+        answer = vllm_completion(body)
+        answer["choices"][0]["prompt_token_ids"] = body["prompt"]  # what vLLM answers for a token prompt
+        return httpx.Response(200, json=answer)
+
+    remote, seen = scripted(echo)
+    remote.tokenizer = tokenizer
+    first_turn = [m.model_dump() for m in CHAT]
+    conversation = tokenizer.apply_chat_template(
+        first_turn, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    conversation = [*conversation, *tokenizer("579")["input_ids"], tokenizer.eos_token_id]
+    args = GenerationArgs(max_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    request = InferenceRequest(prompt=follow_up, prompt_token_ids=conversation, generation_args=args)
+    [response] = remote.generate(request)
+    expected = prompt_token_ids(tokenizer, request, context=1024, vocab_size=len(tokenizer))
+    body = json.loads(seen[0].content)
+    assert str(seen[0].url) == "http://vllm:8000/v1/completions" and body["prompt"] == expected
+    assert expected[: len(conversation)] == conversation
+    assert not {"messages", "prompt_token_ids", "chat_template_kwargs"} & set(body)
+    assert response.prompt_token_ids == expected and response.token_ids == [7, 8] and response.text == "42"
 
 
 def test_a_server_that_ignores_prompt_token_ids_is_refused():

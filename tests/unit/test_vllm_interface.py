@@ -14,6 +14,7 @@ import torch
 from llmrl.config import ConfigError, InferenceConfig, VLLMConfig, config_from_dict
 from llmrl.inference.openai import UnsupportedServerError, WeightSyncError
 from llmrl.inference.vllm import VLLMInterface, find_vllm_python
+from llmrl.types import InferenceRequest
 from llmrl.weights import AdapterWeights, check_weights, read_adapter, weight_buckets
 
 STATE = {
@@ -120,6 +121,15 @@ def test_a_server_that_cannot_be_trained_from_is_named_with_the_missing_flag(cha
     server.facts |= change
     with pytest.raises(UnsupportedServerError, match=message):
         interface(server)
+
+
+def test_a_continuation_without_the_tokenizer_is_refused_before_it_is_sent():
+    server = ScriptedVLLM()
+    vllm = interface(server)
+    server.calls.clear()
+    with pytest.raises(UnsupportedServerError, match="needs the model's tokenizer"):
+        vllm.generate(InferenceRequest(prompt="", prompt_token_ids=[1, 2]))
+    assert server.calls == []
 
 
 def test_weights_are_checked_against_the_served_checkpoint_before_anything_is_sent():

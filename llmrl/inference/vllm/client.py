@@ -7,6 +7,10 @@ once it has been restarted, which is announced in one log line). New requests ar
 the moment a sync starts until it ends, and the ``wait`` pause drains the rest, so each response
 carries the version in force when it was admitted.
 
+A request that continues from ``prompt_token_ids`` (multi-turn, agent programs) is rendered into ids
+with the model's tokenizer, as the embedded engine renders it, and sent to vLLM as a token prompt:
+vLLM never re-tokenises earlier turns (`OpenAIInterface`).
+
 Everything sent is checked first, against the tensor manifest of the served checkpoint: every name
 present (fused q/k/v and gate/up pieces travel together), same shapes, floating point and finite.
 
@@ -33,10 +37,16 @@ import torch
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.inference.interface import Health, run_blocking, run_in_new_loop, run_sync
-from llmrl.inference.openai import InferenceServerError, OpenAIInterface, api_key_from_env
+from llmrl.inference.openai import (
+    InferenceServerError,
+    OpenAIInterface,
+    UnsupportedServerError,
+    api_key_from_env,
+)
 from llmrl.inference.vllm.compatibility import check_trainable
 from llmrl.inference.vllm.routes import ControlSettings, Endpoint, VLLMRoutes
 from llmrl.inference.vllm.server import VLLMServer, served_model_path, server_devices, temporary_folder
+from llmrl.models import load_tokenizer
 from llmrl.processes import free_port
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import (
@@ -88,6 +98,7 @@ class VLLMInterface:
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         lora_rank: int | None = None,
+        tokenizer: Any | None = None,
     ):
         """
         Args:
@@ -103,6 +114,8 @@ class VLLMInterface:
             transport: the httpx transport of every client (tests pass a mock).
             lora_rank: the rank of the LoRA adapters each sync sends (None: whole weights); the
                 servers must hold `config.max_loras` adapters of it.
+            tokenizer: the model's tokenizer, which renders requests with ``prompt_token_ids`` into
+                the token prompt vLLM is sent (None: such requests are refused).
         """
         if not base_urls:
             raise ConfigError("inference.base_url: give at least one server")
@@ -112,6 +125,7 @@ class VLLMInterface:
             raise ConfigError("inference.vllm.max_loras: required with LoRA adapters")
         self.config = config
         self.lora_rank = lora_rank
+        self.tokenizer = tokenizer
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.bucket_bytes = bucket_mb << 20
         self.weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
@@ -134,6 +148,7 @@ class VLLMInterface:
                     max_concurrent=max_concurrent,
                     max_retries=retries,
                     transport=transport,
+                    tokenizer=tokenizer,
                 ),
                 server=servers[i] if servers else None,
             )
@@ -167,6 +182,7 @@ class VLLMInterface:
             bucket_mb=config.weight_sync_bucket_mb,
             api_key=api_key_from_env(config),
             lora_rank=lora_rank,
+            tokenizer=load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code),
         )
         if config.base_url:
             urls = config.base_url if isinstance(config.base_url, list) else [config.base_url]
@@ -223,6 +239,11 @@ class VLLMInterface:
         on the same one, restarted)."""
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
+        if request.prompt_token_ids is not None and self.tokenizer is None:
+            # vLLM would answer after a prompt without them, and the answer be refused only then.
+            raise UnsupportedServerError(
+                "prompt_token_ids: continuing a conversation on vLLM needs the model's tokenizer (tokenizer=)"
+            )
         failed: set[str] = set()
         last_error: InferenceServerError | None = None
         while True:
