@@ -120,7 +120,7 @@ run() {
 
 serve() {
   local index=$((NODE_RANK - TRAIN_NODES)) pids=() server first devices port
-  mkdir -p "$LOG_DIR"
+  [[ "$DRY_RUN" == 1 ]] || mkdir -p "$LOG_DIR"  # a dry run only prints
   trap 'kill "${pids[@]}" 2>/dev/null || true; wait' EXIT
   trap 'exit 143' TERM INT
   for ((server = 0; server < SERVERS_PER_NODE; server++)); do
