@@ -312,8 +312,10 @@ def _attention_mask(model: torch.nn.Module, batch: PackedBatch, dtype: torch.dty
     """
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     mask = batch.attention_mask
-    if mask is None and implementation in ("sdpa", "eager") and not has_local_attention(model.config):
-        mask = _packed_causal_mask(batch.position_ids)  # sliding windows: transformers' masks per layer type
+    if mask is None and implementation == "sdpa" and not has_local_attention(model.config):
+        # transformers' own mask of packed rows is boolean (each layer's SDPA call would copy it); its
+        # eager mask is already additive, and sliding windows need its masks per layer type
+        mask = _packed_causal_mask(batch.position_ids)
     if mask is None:
         return None
     if implementation == "sdpa":
