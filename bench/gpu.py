@@ -39,6 +39,7 @@ import transformers
 from memory_plans import MODEL_CONFIGS  # bench/, beside this script
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from llmrl.agents.trajectory import Trajectory
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import run_in_new_loop
@@ -49,7 +50,7 @@ from llmrl.trainer.memory import GB, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.rollouts import prepare_batch
 from llmrl.trainer.trainer import _deterministic_algorithms
-from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup, TokenRollout
+from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup
 
 SIZES: dict[str, dict[str, int | bool]] = {
     "0.5b": MODEL_CONFIGS["Qwen/Qwen2.5-0.5B-Instruct"],
@@ -142,10 +143,11 @@ def run_engine(
     async def generate_all():
         return await asyncio.gather(*(engine.agenerate(r) for r in requests))
 
-    synchronize(engine._device.type)
+    device = next(engine.model.parameters()).device.type
+    synchronize(device)
     began = time.perf_counter()
     results = run_in_new_loop(generate_all())
-    synchronize(engine._device.type)
+    synchronize(device)
     return time.perf_counter() - began, results
 
 
@@ -205,24 +207,19 @@ def generation(
 
 
 def groups_of(results: list) -> list[RolloutGroup]:
+    """The engine's samples as GRPO groups with random 0/1 rewards (about half right, so most groups train)."""
     rewards = torch.Generator().manual_seed(2)
-    return [
-        RolloutGroup(
-            group_id=f"g{g}",
-            rollouts=[
-                TokenRollout(
-                    trajectory=[r.prompt_token_ids, r.token_ids],
-                    generation_mask=[[False] * len(r.prompt_token_ids), [True] * len(r.token_ids)],
-                    logprobs=[[0.0] * len(r.prompt_token_ids), r.logprobs],
-                    reward=float(torch.rand((), generator=rewards) < 0.5),
-                    env_id="bench",
-                    problem_id=f"p{g}",
-                )
-                for r in responses
-            ],
-        )
-        for g, responses in enumerate(results)
-    ]
+    groups = []
+    for g, responses in enumerate(results):
+        rollouts = []
+        for response in responses:
+            trajectory = Trajectory(GenerationArgs(temperature=1.0))  # as `run_engine` sampled them
+            trajectory.add_context(response.prompt_token_ids, "")
+            trajectory.add_completion(response)
+            reward = float(torch.rand((), generator=rewards) < 0.5)
+            rollouts.append(trajectory.rollout("bench", f"p{g}", reward))
+        groups.append(RolloutGroup(group_id=f"g{g}", rollouts=rollouts))
+    return groups
 
 
 def training(
