@@ -17,10 +17,11 @@ pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_retry_program_trains_on_the_sampled_tokens(tmp_path, tiny_model_path):
+def train_retry_program(run_dir: Path, *, inference: dict, evaluation: dict) -> list[dict]:
+    """Three steps of examples/retry_agent.py on the sums data; the metrics of the steps that trained."""
     config = config_from_dict(
         {
-            "run_dir": str(tmp_path / "run"),
+            "run_dir": str(run_dir),
             "plugins": [str(EXAMPLES / "retry_agent.py")],
             "environments": [
                 {
@@ -33,15 +34,9 @@ def test_retry_program_trains_on_the_sampled_tokens(tmp_path, tiny_model_path):
                     },
                 }
             ],
-            "inference": {"max_concurrent": 256},
+            "inference": inference,
             "training": {"steps": 3, "prompts_per_step": 8, "group_size": 4, "lr": 3e-4},
-            "evaluation": {
-                "every": 0,
-                "at_start": False,
-                "num_prompts": 8,
-                "samples_per_prompt": 2,
-                "ks": [1],
-            },
+            "evaluation": evaluation,
             "checkpoint": {"every": 0},
             "logging": {"progress": "off", "tensorboard": False, "trace": False},
         }
@@ -50,7 +45,12 @@ def test_retry_program_trains_on_the_sampled_tokens(tmp_path, tiny_model_path):
         Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
     finally:
         sys.modules.pop("retry_agent", None)
-    steps = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/mismatch_kl" in m]
+    return [m for m in read_metrics(run_dir / "metrics.jsonl") if "train/mismatch_kl" in m]
+
+
+def test_retry_program_trains_on_the_sampled_tokens(tmp_path, tiny_model_path):
+    evaluation = {"every": 0, "at_start": False, "num_prompts": 8, "samples_per_prompt": 2, "ks": [1]}
+    steps = train_retry_program(tmp_path / "run", inference={"max_concurrent": 256}, evaluation=evaluation)
     assert len(steps) == 3
     for metrics in steps:
         assert metrics["rollout/placeholder_frac"] == 0.0

@@ -263,31 +263,33 @@ def vllm_processes(run_dir: Path) -> list[str]:
     return [line for line in listing.splitlines() if "vllm" in line and str(run_dir) in line]
 
 
-def test_llmrl_train_on_managed_vllm_learns_and_leaves_no_process(tmp_path):
-    run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "llmrl",
-        "train",
-        "examples/arithmetic_vllm.yaml",
-        "--set",
+def train_command(example: str, run_dir: Path, *overrides: str) -> list[str]:
+    """`llmrl train examples/EXAMPLE` for a short run in `run_dir`, with `overrides`."""
+    settings = [
         f"run_dir={run_dir}",
-        "--set",
-        "training.steps=4",
-        "--set",
         "evaluation.every=0",
-        "--set",
         "training.prompts_per_step=16",
-        "--set",
         "logging.progress=plain",
-        "--set",
-        "inference.vllm.cpu_kv_cache_gib=1",
     ]
+    command = [sys.executable, "-m", "llmrl", "train", f"examples/{example}"]
+    for setting in [*settings, *overrides]:
+        command += ["--set", setting]
+    return command
+
+
+def run_training(command: list[str], run_dir: Path) -> list[dict]:
+    """Run `command` from the checkout's root to its end; the metrics it logged in `run_dir`."""
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+def test_llmrl_train_on_managed_vllm_learns_and_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    command = train_command(
+        "arithmetic_vllm.yaml", run_dir, "training.steps=4", "inference.vllm.cpu_kv_cache_gib=1"
+    )
+    lines = run_training(command, run_dir)
     steps = [line for line in lines if "train/mismatch_kl" in line]
     assert len(steps) == 4 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-5
     assert all(s["time/sync_s"] < 30 for s in steps)

@@ -10,12 +10,8 @@ for a few steps, with no vLLM process left behind.
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +22,7 @@ from llmrl.models import load_model
 from llmrl.processes import free_port
 from llmrl.trainer.lora import Adapters
 from llmrl.types import GenerationArgs, InferenceRequest
-from tests.integration.test_vllm import vllm_processes
+from tests.integration.test_vllm import run_training, train_command, vllm_processes
 
 pytestmark = pytest.mark.slow
 
@@ -126,26 +122,7 @@ def test_after_each_adapter_sync_requests_sample_the_new_version_as_the_trainer_
 
 def test_llmrl_train_with_lora_on_managed_vllm_matches_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "llmrl",
-        "train",
-        "examples/arithmetic_vllm_lora.yaml",
-        "--set",
-        f"run_dir={run_dir}",
-        "--set",
-        "training.steps=3",
-        "--set",
-        "evaluation.every=0",
-        "--set",
-        "training.prompts_per_step=16",
-        "--set",
-        "logging.progress=plain",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = run_training(train_command("arithmetic_vllm_lora.yaml", run_dir, "training.steps=3"), run_dir)
     steps = [line for line in lines if "train/mismatch_kl" in line]
     assert len(steps) == 3 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-5
     assert all(s["sync/bytes"] < 1e6 for s in steps)  # the adapters alone

@@ -8,25 +8,19 @@ and the trainer's logprobs of the sampled tokens match vLLM's.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmrl.config import InferenceConfig, ModelConfig, VLLMConfig, config_from_dict
+from llmrl.config import InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.inference.vllm import VLLMInterface
-from llmrl.telemetry import read_metrics
-from llmrl.trainer import Trainer
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
+from tests.integration.test_openai_agent_training import train_retry_program
 
 pytestmark = pytest.mark.slow
 
 VLLM = {"num_servers": 1, "transport": "http", "max_model_len": 256, "cpu_kv_cache_gib": 1}
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -70,38 +64,14 @@ def test_a_continued_conversation_has_the_engines_prompt_ids_and_the_forward_log
 
 
 def test_the_retry_program_trains_on_managed_vllm(tmp_path):
-    config = config_from_dict(
-        {
-            "run_dir": str(tmp_path / "run"),
-            "plugins": [str(EXAMPLES / "retry_agent.py")],
-            "environments": [
-                {
-                    "agent_type": "openai_agent",
-                    "agent_args": {
-                        "rollout": "retry_agent:rollout",
-                        "data_files": str(EXAMPLES / "data" / "sums_train.jsonl"),
-                        "eval_data_files": str(EXAMPLES / "data" / "sums_test.jsonl"),
-                        "max_calls": 3,
-                    },
-                }
-            ],
-            "inference": {"type": "vllm", "max_concurrent": 256, "vllm": VLLM},
-            "training": {"steps": 3, "prompts_per_step": 8, "group_size": 4, "lr": 3e-4},
-            "evaluation": {"every": 0, "at_start": False},
-            "checkpoint": {"every": 0},
-            "logging": {"progress": "off", "tensorboard": False, "trace": False},
-        }
+    inference = {"type": "vllm", "max_concurrent": 256, "vllm": VLLM}
+    steps = train_retry_program(
+        tmp_path / "run", inference=inference, evaluation={"every": 0, "at_start": False}
     )
-    try:
-        Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
-    finally:
-        sys.modules.pop("retry_agent", None)
-    steps = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/mismatch_kl" in m]
     assert len(steps) == 3
     for metrics in steps:
         assert metrics["rollout/placeholder_frac"] == 0.0
-        assert (
-            abs(metrics["train/mismatch_kl"]) < 1e-5
-        )  # vLLM's logprobs of the trained tokens, to float noise
+        # vLLM's logprobs of the trained tokens, to float noise
+        assert abs(metrics["train/mismatch_kl"]) < 1e-5
         assert 1.0 <= metrics["reward/openai_agent/calls"] <= 3.0
     assert max(metrics["reward/openai_agent/calls"] for metrics in steps) > 1.0  # conversations continued
