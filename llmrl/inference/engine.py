@@ -47,7 +47,7 @@ from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
-from llmrl.inference.interface import Health, run_sync, running_loop
+from llmrl.inference.interface import Health, InferenceInterface, run_sync, running_loop
 from llmrl.inference.kv_cache import list_tensor
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.inference.sampling import (
@@ -60,7 +60,7 @@ from llmrl.inference.sampling import (
 from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, penalized, response
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
-from llmrl.weights import InProcessTransport, Weights, WeightUpdate, check_version
+from llmrl.weights import PayloadKind, WeightTransport, WeightUpdate, in_process_transports, transport_for
 
 WeightUpdateMode = Literal["drain", "abort"]
 
@@ -90,7 +90,7 @@ class EngineStats:
     """Largest KV cache the decoder held (allocated capacity, not just the used part)."""
 
 
-class LocalEngine:
+class LocalEngine(InferenceInterface):
     """Embedded `InferenceInterface` running a transformers causal LM in this process."""
 
     ADMIT_AT_LEAST = 1 / 4
@@ -147,7 +147,7 @@ class LocalEngine:
         self.stats = EngineStats()
         self._device = next(model.parameters()).device
         # Built before the decoder releases any of the model's tensors: updates are checked against them all.
-        self._weights = InProcessTransport(model, self._apply_update)
+        self._transports = in_process_transports(model, self._apply_update, max_version=MAX_POLICY_VERSION)
         self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, owns_model=owns_model)
         self._eos_ids = frozenset(
             _default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids
@@ -235,22 +235,21 @@ class LocalEngine:
         """Blocking form of `agenerate` (not from inside a running event loop)."""
         return run_sync(self.agenerate(request))
 
-    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
-        """Serve new weights (a state dict, a safetensors/torch file, a folder of them, or an
-        iterable of bucket dicts) as `version`.
+    def weight_transport(self, kind: PayloadKind) -> WeightTransport[Any]:
+        """Whole weights or LoRA adapters into this engine's model (`llmrl.weights.in_process`).
 
-        Keys are the model's ``state_dict`` names; a subset updates only those parameters. Returns
-        once the new weights serve (see the module docstring for in-flight sequences). The engine
-        serves whatever version it is given, so `reset` (see `InferenceInterface`) changes nothing.
+        Whole weights are named as in the model's ``state_dict``; a subset updates only those
+        parameters. A send returns once the new weights serve (see the module docstring for
+        in-flight sequences). The engine serves whatever version it is given, so `reset` changes
+        nothing.
 
         Buckets are copied into the model one at a time, all between the same two decode steps, by
-        the thread that applies the update (this one when the engine is idle, else the one stepping
-        the batch); the version changes after the last. Each bucket is checked before it is copied:
-        one that fails leaves the buckets before it applied (the old version on partly new weights,
-        until the next update) and raises here.
+        the thread that applies the update (the sender's when the engine is idle, else the one
+        stepping the batch); the version changes after the last. Each bucket is checked before it
+        is copied: one that fails leaves the buckets before it applied (the old version on partly new
+        weights, until the next update) and raises to the sender.
         """
-        check_version(version, MAX_POLICY_VERSION)
-        self._weights.send(state_dict_or_path, version, reset=reset)  # a whole state dict is checked here
+        return transport_for(self._transports, kind, "the embedded engine")
 
     def _apply_update(self, update: WeightUpdate) -> None:
         """Queue `update` for the thread that steps the batch (or apply it now) and wait for it."""

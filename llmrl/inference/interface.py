@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from llmrl.types import InferenceRequest, InferenceResponse
-from llmrl.weights import Weights
+from llmrl.weights import PayloadKind, WeightTransport, payload_from
 
 if TYPE_CHECKING:
     from typing import Self
@@ -60,10 +60,11 @@ class Reachability:
 class InferenceInterface(Protocol):
     """Generates completions and serves new weights; implementations batch concurrent `agenerate` calls.
 
-    The trainer builds one with `from_config`, generates with it, syncs every step's weights with
-    `update_weights`, asks `health` why a request or a sync failed (a lost server stops the run
-    with `InferenceUnavailableError`: rerunning resumes) and calls `close` on every exit.
-    Plug-in interfaces (`llmrl.registry.register_inference`) implement the same.
+    The trainer builds one with `from_config`, generates with it, syncs every step's weights through
+    the transport `weight_transport` gives it, asks `health` why a request or a sync failed (a lost
+    server stops the run with `InferenceUnavailableError`: rerunning resumes) and calls `close` on
+    every exit. Plug-in interfaces (`llmrl.registry.register_inference`) implement the same, and get
+    `update_weights` by subclassing this class.
     """
 
     @classmethod
@@ -82,13 +83,20 @@ class InferenceInterface(Protocol):
         """Blocking form of `agenerate`."""
         ...
 
-    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
+    def weight_transport(self, kind: PayloadKind) -> WeightTransport[Any]:
+        """The transport that serves payloads of `kind` ("weights" or "adapters") here, built from
+        this interface's config (`llmrl.weights.WrongPayloadError` when it serves the other kind)."""
+        ...
+
+    def update_weights(self, weights: Any, version: int, *, reset: bool = False) -> None:
         """Serve new weights, stamping later responses with `version`.
 
         Versions normally only grow; `reset` replaces whatever is served even with an older version
-        (a trainer starting or resuming a run owns the sequence). The weights come as a state dict,
-        a path, or a stream of bucket dicts (`llmrl.weights.Weights` says how a stream is read)."""
-        ...
+        (a trainer starting or resuming a run owns the sequence). `weights`: a payload
+        (`llmrl.weights.FullWeights`, `AdapterWeights`), a state dict, a file or folder of weights or
+        of a PEFT adapter, or an iterable of bucket dicts (`llmrl.weights.payload_from`)."""
+        payload = payload_from(weights)
+        self.weight_transport(payload.kind).send(payload, version, reset=reset)
 
     def health(self) -> Health:
         """Where requests go and whether they reach it (cheap: no request is sent)."""

@@ -37,11 +37,11 @@ import httpx
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
-from llmrl.inference.interface import Health, Reachability, run_blocking, run_sync
+from llmrl.inference.interface import Health, InferenceInterface, Reachability, run_blocking, run_sync
 from llmrl.inference.prompts import request_prompt_ids
 from llmrl.seeding import derive_seed
 from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
-from llmrl.weights import Weights, WeightSyncError
+from llmrl.weights import PayloadKind, WeightSyncError, WeightTransport, transport_for
 from llmrl.weights.llmrl_server import LlmrlServerTransport
 
 __all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
@@ -67,7 +67,7 @@ class _Session:
     slots: asyncio.Semaphore
 
 
-class OpenAIInterface:
+class OpenAIInterface(InferenceInterface):
     """`InferenceInterface` over an OpenAI-compatible server: llmrl's own, vLLM or SGLang."""
 
     def __init__(
@@ -216,22 +216,16 @@ class OpenAIInterface:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def update_weights(self, state_dict_or_path: Weights, version: int, *, reset: bool = False) -> None:
-        """Make the server serve these weights as `version`; returns once they serve.
+    def weight_transport(self, kind: PayloadKind) -> WeightTransport[Any]:
+        """The transport to llmrl's server (`llmrl.weights.llmrl_server`: a file in `weights_dir`, or
+        streamed), for whole weights and adapters alike.
 
         The server refuses a version older than the one it serves, and takes the one it serves as a
         no-op, unless `reset` is set: a trainer starting or resuming a run owns the version sequence
-        and replaces whatever the server holds. How the weights travel (a file in `weights_dir`,
-        or streamed) is `llmrl.weights.llmrl_server`'s. Raises `WeightSyncError` when the server
+        and replaces whatever the server holds. A send raises `WeightSyncError` when the server
         refuses or does not answer within `weight_sync_timeout_s`.
         """
-        self._weights.send(state_dict_or_path, version, reset=reset)
-
-    async def aupdate_weights(
-        self, state_dict_or_path: Weights, version: int, *, reset: bool = False
-    ) -> None:
-        """Async form of `update_weights`."""
-        await self._weights.asend(state_dict_or_path, version, reset=reset)
+        return transport_for([self._weights], kind, f"llmrl's server at {self.base_url}")
 
     async def _post_weights(self, path: str, **request: Any) -> Any:
         try:

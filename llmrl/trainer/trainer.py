@@ -39,7 +39,7 @@ from llmrl.agents import build_agents
 from llmrl.config import ConfigError, RunConfig, dump_config
 from llmrl.evaluation import Summary, evaluate_environments
 from llmrl.files import atomic_write
-from llmrl.inference import InferenceInterface, InferenceUnavailableError, build_inference, run_sync
+from llmrl.inference import InferenceInterface, build_inference, run_sync
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
 from llmrl.registry import import_plugins
@@ -53,15 +53,9 @@ from llmrl.trainer.memory import GB, LoraSizes, MemoryPlan, MemorySettings, Peak
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay
-from llmrl.trainer.rollouts import (
-    RolloutPipeline,
-    prepare_batch,
-    rollout_metrics,
-    staleness_metrics,
-    unavailable_line,
-)
+from llmrl.trainer.rollouts import RolloutPipeline, prepare_batch, rollout_metrics, staleness_metrics
+from llmrl.trainer.weight_sync import WeightSync, weights_source
 from llmrl.types import GenerationArgs
-from llmrl.weights import tensor_bytes
 
 
 class Trainer:
@@ -197,9 +191,17 @@ class Trainer:
             self.inference = build_inference(
                 config.inference, config.model, seed=config.seed, run_dir=self.run_dir
             )
+        source = weights_source(
+            self.policy,
+            adapters=self.adapters,
+            distributed=self.distributed,
+            tied_names=self._tied_names,
+            bucket_bytes=config.inference.weight_sync_bucket_mb << 20,
+            compute_dtype=self.compute_dtype,
+        )
+        self.weight_sync = WeightSync(source, self.inference)
 
         self.pipeline: RolloutPipeline | None = None
-        self._sync_bytes = 0
         self.step = 0
         self.seconds = 0.0  # training wall time over all sessions of this run
         self.evaluations: dict[int, Summary] = {}
@@ -209,7 +211,7 @@ class Trainer:
             ckpt.clear_run_outputs(self.run_dir)
         # The inference side may hold other weights (a server kept from an earlier run, or ahead of
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
-        self._sync_weights(self.step, reset=True)
+        self.weight_sync.sync(self.step, reset=True)
         self.resumed = checkpoint is not None
 
     def _plan_memory(self, device: str) -> MemoryPlan:
@@ -351,7 +353,7 @@ class Trainer:
                 self.pipeline is not None
             ):  # batches generating now must finish on the weights they started with
                 self.pipeline.wait_ahead()
-            self._sync_weights(step)
+            self.weight_sync.sync(step)
         step_seconds = time.perf_counter() - started
         self.seconds += step_seconds
         peaks = [self.peak_memory.take()]
@@ -367,7 +369,7 @@ class Trainer:
         metrics |= staleness_metrics(groups, trained_version=step - 1)
         metrics |= {f"train/{key}": value for key, value in update.items()}
         metrics |= {
-            "sync/bytes": float(self._sync_bytes),
+            "sync/bytes": float(self.weight_sync.bytes_sent),
             "train/lr": learning_rate,
             "train/kl": update.get("ref_kl", update.get("approx_kl", 0.0)),
         }
@@ -376,45 +378,6 @@ class Trainer:
         if len(peaks) > 1:
             memory["memory/peak_gb_rank0"] = peaks[0]
         return metrics | memory | {"time/step_s": step_seconds, "perf/tokens_per_s": generated / step_seconds}
-
-    def _sync_weights(self, version: int, *, reset: bool = False) -> None:
-        """Serve the policy's weights as `version` (over several processes, gathered bucket by bucket
-        for rank 0's inference side: every rank takes part in each bucket); with LoRA, the adapters
-        alone. `_sync_bytes`: the bytes it sent."""
-        weights: Any
-        if self.adapters is not None:
-            weights = self.adapters.weights()
-            self._sync_bytes = weights.nbytes
-        elif self.distributed is None:
-            weights = self._untied(self.policy.state_dict())
-            self._sync_bytes = sum(tensor_bytes(weights).values())
-        else:
-            bucket_bytes = self.config.inference.weight_sync_bucket_mb << 20
-            weights = self._counted(
-                self.distributed.gathered_buckets(
-                    self.policy, bucket_bytes, skip=self._tied_names, dtype=self.compute_dtype
-                )
-            )
-        if self.is_main:
-            started = time.time()
-            try:
-                self.inference.update_weights(weights, version=version, reset=reset)
-            except Exception as exc:
-                if self.inference.health().unreachable_since is None:
-                    raise
-                detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
-                raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
-        if self.distributed is not None and self.adapters is None:
-            for (
-                _
-            ) in weights:  # the other ranks gather every bucket here; rank 0 any the interface left unread
-                pass
-
-    def _counted(self, buckets: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
-        self._sync_bytes = 0
-        for bucket in buckets:
-            self._sync_bytes += sum(tensor_bytes(bucket).values())
-            yield bucket
 
     def _close_inference(self) -> None:
         if self.inference is not None:

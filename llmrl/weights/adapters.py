@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -32,10 +32,14 @@ _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One version of a policy's LoRA adapters (PEFT names and config)."""
+    """One version of a policy's LoRA adapters (PEFT names and config): a weight payload
+    (`llmrl.weights.payloads`)."""
 
+    kind: ClassVar[Literal["adapters"]] = "adapters"
     tensors: dict[str, torch.Tensor]
     config: dict[str, Any]
+    path: Path | None = None
+    """The PEFT folder or one-file adapter it was read from, if any."""
 
     @property
     def scaling(self) -> float:
@@ -46,6 +50,17 @@ class AdapterWeights:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def file_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The adapter as one safetensors file: its tensors, its PEFT config in the metadata."""
+        return self.tensors, self.file_metadata()
+
+    def file_metadata(self) -> dict[str, str]:
+        """Safetensors metadata that makes a file of `tensors` a one-file adapter (`read_adapter`)."""
+        return {ADAPTER_METADATA: json.dumps(self.config)}
+
+    def drain(self) -> None:
+        """Nothing is produced on demand: the tensors are all here."""
 
     def modules(self) -> list[str]:
         """The adapted modules' names in the base model (``model.layers.0.self_attn.q_proj``), in order."""
@@ -105,10 +120,6 @@ class AdapterWeights:
         (folder / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
         return folder
 
-    def file_metadata(self) -> dict[str, str]:
-        """Safetensors metadata that makes a file of `tensors` a one-file adapter (`read_adapter`)."""
-        return {ADAPTER_METADATA: json.dumps(self.config)}
-
 
 def read_adapter(path: str | Path) -> AdapterWeights | None:
     """The adapter a PEFT folder or a one-file adapter holds; None when `path` holds plain weights."""
@@ -120,14 +131,14 @@ def read_adapter(path: str | Path) -> AdapterWeights | None:
         if not (path / ADAPTER_CONFIG).is_file():
             return None
         config = json.loads((path / ADAPTER_CONFIG).read_text())
-        return AdapterWeights(load_file(str(path / ADAPTER_FILE)), config)
+        return AdapterWeights(load_file(str(path / ADAPTER_FILE)), config, path)
     if path.suffix != ".safetensors":
         return None
     with safe_open(str(path), "pt") as file:
         metadata = file.metadata() or {}
     if ADAPTER_METADATA not in metadata:
         return None
-    return AdapterWeights(load_file(str(path)), json.loads(metadata[ADAPTER_METADATA]))
+    return AdapterWeights(load_file(str(path)), json.loads(metadata[ADAPTER_METADATA]), path)
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -121,11 +121,11 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if path.is_dir():
         files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
         if not files:
-            raise ValueError(f"state_dict_or_path: no *.safetensors, *.bin or *.pt files in {path}")
+            raise ValueError(f"weights: no *.safetensors, *.bin or *.pt files in {path}")
     elif path.is_file():
         files = [path]
     else:
-        raise ValueError(f"state_dict_or_path: {path} is neither a file nor a folder")
+        raise ValueError(f"weights: {path} is neither a file nor a folder")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         if file.suffix == ".safetensors":

@@ -1,28 +1,27 @@
-"""The in-process transport: new weights for a model in this process (the embedded engine).
+"""The in-process transports: new weights for a model in this process (the embedded engine).
 
-The engine applies an update between decode steps; `InProcessTransport.send` turns what it is given
-(a state dict, a safetensors/torch file, a folder of them, or an iterable of bucket dicts) into a
-`WeightUpdate`, each bucket checked against the names, shapes and floating-ness of the model's
+The engine applies an update between decode steps. Whole weights become a `WeightUpdate` of their
+buckets, each checked as it is applied against the names, shapes and floating-ness of the model's
 ``state_dict`` as recorded when the transport was built (`served_tensors`): the Llama/Qwen2 decoder
-may since have released some of the model's tensors into its fused ones. LoRA adapters (given as
-`AdapterWeights`, a PEFT folder or a one-file adapter) become an update of deltas (`merge`): the
-receiver serves each of its base weights plus the delta.
+may since have released some of the model's tensors into its fused ones. LoRA adapters are checked
+whole and become an update of deltas (`merge`): the receiver serves each of its base weights plus
+the delta.
 """
 
 from __future__ import annotations
 
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmrl.weights.adapters import AdapterWeights, read_adapter
-from llmrl.weights.buckets import read_state_dict
+from llmrl.weights.adapters import AdapterWeights
 from llmrl.weights.checks import ServedTensor, check_state_dict, served_tensors
-from llmrl.weights.transport import Weights
+from llmrl.weights.payloads import FullWeights
+from llmrl.weights.transport import P, WeightTransport, check_version
 
 
 @dataclass(eq=False)
@@ -35,32 +34,52 @@ class WeightUpdate:
     error: BaseException | None = None
 
 
-class InProcessTransport:
-    """`WeightTransport` into a model of this process: `send` checks what it can at once and hands
-    the update to `apply`, which returns once the model holds it (raising the update's error)."""
+ApplyUpdate = Callable[[WeightUpdate], None]
+"""Hands an update to the model's owner; returns once the model holds it (raising its error)."""
 
-    def __init__(self, model: torch.nn.Module, apply: Callable[[WeightUpdate], None]):
-        self.served = served_tensors(model)
+
+class _IntoModel(WeightTransport[P]):
+    """A transport into a model of this process, which serves whatever version up to `max_version`
+    it is given (so `reset` changes nothing)."""
+
+    def __init__(self, served: dict[str, ServedTensor], apply: ApplyUpdate, max_version: int):
+        self.served = served
         self._apply = apply
+        self.max_version = max_version
 
-    def send(self, weights: Weights, version: int, *, reset: bool = False) -> None:
-        """The model serves whatever version it is given, so `reset` changes nothing."""
-        del reset
-        self._apply(weight_update(self.served, weights, version))
+    def send(self, payload: P, version: int, *, reset: bool = False) -> None:
+        check_version(version, self.max_version)
+        self._apply(self._update(payload, version))
+
+    @abstractmethod
+    def _update(self, payload: P, version: int) -> WeightUpdate: ...
 
 
-def weight_update(served: dict[str, ServedTensor], weights: Weights, version: int) -> WeightUpdate:
-    """An update of the tensors `served` describes to `weights`: a whole state dict (or file, or
-    folder) or adapter is read and checked now, an iterable of buckets bucket by bucket as it is applied."""
-    if isinstance(weights, (str, Path)):
-        weights = read_adapter(weights) or read_state_dict(weights)
-    if isinstance(weights, AdapterWeights):
-        weights.check(served)
-        return WeightUpdate(weights.deltas(), version, merge=True)
-    if isinstance(weights, dict):
-        check_state_dict(served, weights)
-        return WeightUpdate([weights], version)
-    return WeightUpdate(_checked(served, weights), version)
+class InProcessWeights(_IntoModel[FullWeights]):
+    """Whole weights into a model of this process, checked bucket by bucket as they are applied."""
+
+    takes = ("weights",)
+
+    def _update(self, payload: FullWeights, version: int) -> WeightUpdate:
+        return WeightUpdate(_checked(self.served, payload.buckets()), version)
+
+
+class InProcessAdapters(_IntoModel[AdapterWeights]):
+    """LoRA adapters onto a model of this process: checked whole, then merged as deltas."""
+
+    takes = ("adapters",)
+
+    def _update(self, payload: AdapterWeights, version: int) -> WeightUpdate:
+        payload.check(self.served)
+        return WeightUpdate(payload.deltas(), version, merge=True)
+
+
+def in_process_transports(
+    model: torch.nn.Module, apply: ApplyUpdate, *, max_version: int
+) -> list[WeightTransport[Any]]:
+    """Both in-process transports of `model`, checking updates against its tensors as they are now."""
+    served = served_tensors(model)
+    return [InProcessWeights(served, apply, max_version), InProcessAdapters(served, apply, max_version)]
 
 
 def _checked(served: dict[str, ServedTensor], buckets: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:

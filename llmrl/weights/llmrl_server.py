@@ -1,12 +1,13 @@
 """The transport to llmrl's inference server: ``POST /v1/weights`` with a file path or the file itself.
 
-With a `weights_dir` both sides read (a shared disk), a state dict is written there as
-``llmrl-policy-v{version}.safetensors`` and sent as a path relative to it (the previous such file
-is deleted once the server has loaded the next); without one, it is streamed in the request body.
-A path inside `weights_dir` (a file or a folder of shards) is sent as is; any other path must be a
-``.safetensors`` file, which is streamed. A stream of buckets is collected into one state dict
-first: the server takes one file per update. LoRA adapters travel as one file the same ways, their
-config in its metadata (`AdapterWeights.file_metadata`); the server merges them onto its base weights.
+The server takes one file per update, whole weights or a LoRA adapter (its config in the file's
+metadata, `AdapterWeights.file_tensors`; the server merges it onto its base weights), so this
+transport takes both payload kinds. A payload read from a path inside `weights_dir` (the folder
+both sides read: a file or a folder of shards) is sent as that path, and one read from a
+``.safetensors`` file elsewhere is streamed from it. Any other payload becomes one file: with a
+`weights_dir` it is written there as ``llmrl-policy-v{version}.safetensors`` and sent as a path
+relative to it (the previous such file is deleted once the server has loaded the next); without one,
+it is streamed in the request body.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.files import atomic_write
-from llmrl.weights.adapters import AdapterWeights
 from llmrl.weights.buckets import safetensors_ready
-from llmrl.weights.transport import Weights, WeightSyncError, check_version
+from llmrl.weights.payloads import Payload
+from llmrl.weights.transport import WeightSyncError, WeightTransport, check_version
 
 _CHUNK_BYTES = 1 << 20
 
@@ -29,8 +30,10 @@ Post = Callable[..., Awaitable[Any]]
 """``post(path, **request)``: the server's decoded JSON answer to one POST, or `WeightSyncError`."""
 
 
-class LlmrlServerTransport:
-    """`WeightTransport` to one llmrl inference server; `version` is what it serves after the last send."""
+class LlmrlServerTransport(WeightTransport[Payload]):
+    """Weights or adapters to one llmrl inference server; `version` is what it serves after the last send."""
+
+    takes = ("weights", "adapters")
 
     def __init__(
         self, post: Post, run: Callable[[Coroutine[Any, Any, None]], None], weights_dir: Path | None
@@ -43,37 +46,27 @@ class LlmrlServerTransport:
         self.version = 0
         self._written_file: Path | None = None  # the last weights file written into weights_dir
 
-    def send(self, weights: Weights, version: int, *, reset: bool = False) -> None:
-        self._run(self.asend(weights, version, reset=reset))
+    def send(self, payload: Payload, version: int, *, reset: bool = False) -> None:
+        self._run(self.asend(payload, version, reset=reset))
 
-    async def asend(self, weights: Weights, version: int, *, reset: bool = False) -> None:
+    async def asend(self, payload: Payload, version: int, *, reset: bool = False) -> None:
         """The server refuses a version older than the one it serves, and takes the one it serves
         as a no-op, unless `reset` is set."""
         check_version(version)
         target: dict[str, Any] = {"version": version, **({"reset": True} if reset else {})}
-        if isinstance(weights, AdapterWeights):
-            await self._send_state_dict(weights.tensors, target, weights.file_metadata())
-        elif isinstance(weights, dict):
-            await self._send_state_dict(weights, target)
-        elif not isinstance(weights, (str, Path)):  # buckets
-            await self._send_state_dict({k: v for bucket in weights for k, v in bucket.items()}, target)
+        path = payload.path.resolve() if payload.path is not None else None
+        if path is not None and self._in_weights_dir(path):
+            await self._send_path(path, target)
+        elif path is not None and path.is_file() and path.suffix == ".safetensors":
+            await self._stream_file(path, target)
         else:
-            path = Path(weights).resolve()
-            if self._in_weights_dir(path):
-                await self._send_path(path, target)
-            elif path.is_file() and path.suffix == ".safetensors":
-                await self._stream_file(path, target)
-            else:
-                raise ValueError(
-                    f"state_dict_or_path: {path} is outside weights_dir, so it must be a .safetensors "
-                    "file to stream; pass a state dict or put the checkpoint in weights_dir"
-                )
+            await self._send_file(*payload.file_tensors(), target)
 
-    async def _send_state_dict(
-        self, state: dict[str, Any], target: dict[str, Any], metadata: dict[str, str] | None = None
+    async def _send_file(
+        self, state: dict[str, Any], metadata: dict[str, str], target: dict[str, Any]
     ) -> None:
         version = target["version"]
-        metadata = {**(metadata or {}), "policy_version": str(version)}
+        metadata = {**metadata, "policy_version": str(version)}
         if self.weights_dir is not None:
             path = self.weights_dir / f"llmrl-policy-v{version}.safetensors"
             await asyncio.to_thread(_write_safetensors, state, path, metadata)

@@ -1,30 +1,20 @@
-"""The one small interface every way of moving weights implements, and what it takes.
+"""The one interface every way of moving weights implements.
 
-A transport delivers one version of the policy's weights to where they serve: the embedded engine
-in this process (`in_process`), llmrl's inference server over HTTP or a shared folder
-(`llmrl_server`), vLLM servers as buckets in requests or files (`llmrl.inference.vllm` runs the
-route sequence around `Bucket`s) or by NCCL broadcast (`nccl`).
+A transport delivers one version of the policy to where it serves, and declares the kind of payload
+it takes (`llmrl.weights.payloads`): the embedded engine in this process (`in_process`), llmrl's
+inference server by a shared file or streamed (`llmrl_server`), vLLM servers by buckets in requests or
+files, by NCCL broadcast (`nccl`), or as LoRA adapters they load (`llmrl.inference.vllm.transports`).
+Each inference interface builds the transport its config names, once; the trainer holds it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Generic, TypeVar
 
-from llmrl.weights.adapters import AdapterWeights
+from llmrl.weights.payloads import Payload, PayloadKind
 
-Weights = dict[str, Any] | str | Path | Iterable[dict[str, Any]] | AdapterWeights
-"""What a weight update takes: a state dict, a file or folder of weights, a stream of buckets, or LoRA
-adapters (`AdapterWeights`, also as a PEFT folder or one-file adapter), which serve added to the base
-weights the receiver loaded (never the previous version's).
-
-A stream of bucket dicts comes from a trainer gathering sharded weights bucket by bucket
-(`weight_buckets`): together they hold every tensor once, a decoder layer's tensors in one bucket.
-Each bucket may be produced on demand (collectives with other processes), so it is read in order,
-at most once, and its tensors are not kept beyond what the receiver needs; the new version serves
-once the last bucket is in. A receiver reads it to its end unless it fails or has nothing to do
-(the version it already serves); a producer that needs it read to the end drains it."""
+P = TypeVar("P", bound=Payload)
 
 
 class WeightSyncError(RuntimeError):
@@ -35,25 +25,33 @@ class WeightSyncError(RuntimeError):
         self.status = status
 
 
-class WeightTransport(Protocol):
-    """Moves whole weight versions to one serving side; returns once `version` serves there."""
+class WeightTransport(ABC, Generic[P]):
+    """Moves whole weight versions of the payload kinds it `takes` to one serving side."""
 
-    def send(self, weights: Weights, version: int, *, reset: bool = False) -> None:
-        """Deliver `weights` as `version` (`reset`: even when older than the version served)."""
-        ...
+    takes: ClassVar[tuple[PayloadKind, ...]]
+
+    @abstractmethod
+    def send(self, payload: P, version: int, *, reset: bool = False) -> None:
+        """Deliver `payload` as `version`; returns once it serves. Versions only grow unless `reset`
+        is set (a trainer starting or resuming a run owns the sequence); the served version again
+        is a no-op for receivers that keep versions."""
 
 
-def weight_parts(weights: Weights) -> Iterable[dict[str, Any]]:
-    """`weights` as an iterable of dicts: one for a state dict or a path, the buckets of a stream."""
-    from llmrl.weights.buckets import read_state_dict
+class WrongPayloadError(WeightSyncError):
+    """A payload of a kind the receiving side was not set up for."""
 
-    if isinstance(weights, AdapterWeights):
-        raise TypeError("LoRA adapters are not weight parts: a receiver merges them (AdapterWeights.deltas)")
-    if isinstance(weights, dict):
-        return [weights]
-    if isinstance(weights, (str, Path)):
-        return [read_state_dict(weights)]
-    return weights
+
+_KIND_WORDS: dict[PayloadKind, str] = {"weights": "whole weights", "adapters": "LoRA adapters"}
+
+
+def transport_for(transports: list[WeightTransport[Any]], kind: PayloadKind, where: str) -> Any:
+    """The first of `transports` that takes `kind`, or `WrongPayloadError` naming what `where` (the
+    receiving side, in words) serves instead."""
+    for transport in transports:
+        if kind in transport.takes:
+            return transport
+    served = " or ".join(_KIND_WORDS[k] for t in transports for k in t.takes) or "no weights"
+    raise WrongPayloadError(f"{where} serves {served}, not {_KIND_WORDS[kind]}")
 
 
 def check_version(version: Any, maximum: int | None = None) -> None:

@@ -313,8 +313,8 @@ class DyingServer:
             raise ConnectionRefusedError("[Errno 111] Connection refused")
         return await self.inference.agenerate(request)
 
-    def update_weights(self, *args, **kwargs):
-        return self.inference.update_weights(*args, **kwargs)
+    def weight_transport(self, kind):
+        return self.inference.weight_transport(kind)
 
     def health(self):
         return Health(servers=(self.base_url,), unreachable_since=self.lost_at)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from llmrl.agents import Problem, RewardOnlyAgent, make_prompt
@@ -89,9 +88,11 @@ class ScriptedInference:
     def generate(self, request: InferenceRequest) -> list[InferenceResponse]:
         return run_sync(self.agenerate(request))
 
-    def update_weights(
-        self, state_dict_or_path: dict[str, Any] | str | Path, version: int, *, reset: bool = False
-    ) -> None:
+    def weight_transport(self, kind: str) -> ScriptedInference:
+        return self  # takes any payload, and only records its version
+
+    def send(self, payload: Any, version: int, *, reset: bool = False) -> None:
+        payload.drain()
         self.policy_version = version
 
     def health(self) -> Health:

@@ -1,16 +1,16 @@
 """A batch that failed in inference is refused: not banked, not trained on, and the run stops in one line."""
 
 import time
-from types import SimpleNamespace
 
 import pytest
+import torch
 
 from llmrl import cli
 from llmrl.agents import WeightedMultiTask, placeholder_rollout
 from llmrl.inference import Health
 from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.rollouts import InferenceUnavailableError, RolloutPipeline, inference_failure
-from llmrl.trainer.trainer import Trainer
+from llmrl.trainer.weight_sync import PolicyWeights, WeightSync
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of
 
@@ -106,27 +106,24 @@ def test_a_weight_sync_to_an_unreachable_server_stops_the_run_in_one_line():
         base_url = "http://10.1.2.3:8000/v1"
         lost_at = 1_700_000_000.0
 
-        def update_weights(self, weights, version, reset=False):
+        def weight_transport(self, kind):
+            return self
+
+        def send(self, payload, version, reset=False):
             raise RuntimeError("weight sync failed: ConnectError")
 
         def health(self):
             return Health(servers=(self.base_url,), unreachable_since=self.lost_at)
 
-    trainer = SimpleNamespace(
-        distributed=None,
-        adapters=None,
-        is_main=True,
-        inference=DeadSync(),
-        _untied=dict,
-        policy=SimpleNamespace(state_dict=dict),
-    )
+    inference = DeadSync()
+    sync = WeightSync(PolicyWeights(torch.nn.Linear(2, 2), tied_names=()), inference)
     with pytest.raises(
         InferenceUnavailableError, match=r"unreachable since .* \(weight sync of step 4: RuntimeError"
     ):
-        Trainer._sync_weights(trainer, 4)
-    trainer.inference.lost_at = None  # a server that answered: its error is not ours to rephrase
+        sync.sync(4)
+    inference.lost_at = None  # a server that answered: its error is not ours to rephrase
     with pytest.raises(RuntimeError, match="^weight sync failed"):
-        Trainer._sync_weights(trainer, 4)
+        sync.sync(4)
 
 
 def test_llmrl_train_prints_the_stop_line_and_exits_75(monkeypatch, capsys):

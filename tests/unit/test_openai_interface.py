@@ -148,8 +148,10 @@ def test_update_weights_streams_without_a_shared_folder(served, tmp_path):
     remote.update_weights(outside, 2)
     assert engine.policy_version == 2
     remote.update_weights(outside, 2)  # the same version again is a no-op
-    with pytest.raises(ValueError, match="must be a .safetensors file"):
-        remote.update_weights(tmp_path, 3)
+    remote.update_weights(tmp_path, 3)  # a folder elsewhere is read, then streamed as one file
+    assert engine.policy_version == 3
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        remote.update_weights(tmp_path / "weights", 4)
 
 
 def test_refused_weight_updates_raise_weight_sync_error(served):
