@@ -3,7 +3,7 @@
 from llmrl.agents.base import Agent, Problem, has_signal, make_prompt, placeholder_rollout
 from llmrl.agents.multi_task import WeightedMultiTask, build_agent, build_agents, largest_remainder
 from llmrl.agents.pass_at_k import PassAtKAgent, evaluation_metrics, pass_at_k
-from llmrl.agents.reward_only import RewardOnlyAgent
+from llmrl.agents.reward_only import ProblemSetAgent, RewardOnlyAgent
 from llmrl.agents.sampler import EpochSampler
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "EpochSampler",
     "PassAtKAgent",
     "Problem",
+    "ProblemSetAgent",
     "RewardOnlyAgent",
     "WeightedMultiTask",
     "build_agent",

@@ -40,12 +40,12 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import ValidationError
 
-from llmrl.agents.base import INFERENCE_FAILURE, request_args
+from llmrl.agents.base import request_args
 from llmrl.agents.tool_parsers import ParsedCompletion
 from llmrl.agents.trajectory import Trajectory
 from llmrl.inference.interface import InferenceInterface
@@ -77,6 +77,24 @@ _UNSUPPORTED = {
 }
 _DISTRIBUTION_OPTIONS = ("temperature", "top_p", "top_k", "min_p")
 """What the trainer's logprobs of a sequence follow: a sequence's calls must agree on them."""
+
+
+FailureStage = Literal["program", "reward", "limit", "inference"]
+"""Where an episode failed; its placeholders are counted under ``failures/<stage>``."""
+
+
+@dataclass(frozen=True)
+class EpisodeFailure:
+    """Why an episode cannot be trained on: the stage that failed, and what went wrong there."""
+
+    stage: FailureStage
+    detail: str
+
+    @property
+    def reason(self) -> str:
+        """The placeholder's `failure_reason`, as logged: the stage, then the detail (the trainer tells
+        inference failures apart by it: `llmrl.agents.base.failed_in_inference`)."""
+        return f"{self.stage}: {self.detail}"[:500]
 
 
 class _Refused(Exception):
@@ -137,7 +155,7 @@ class Episode:
         self.timeout_s = timeout_s
         self.calls: list[_Call] = []
         self.sequences: list[Trajectory] = []
-        self.failure: str | None = None
+        self.failure: EpisodeFailure | None = None
         """Why the episode cannot be trained on (a limit broken, an inference failure), once it cannot."""
 
     # ---- the route -------------------------------------------------------------------------------
@@ -145,10 +163,9 @@ class Episode:
     async def chat(self, body: ChatBody) -> dict[str, Any]:
         """Answer one ``chat.completions.create`` call (raises `_Refused` with the HTTP status)."""
         if self.failure is not None:
-            raise _Refused(400, f"this episode has ended: {self.failure}")
+            raise _Refused(400, f"this episode has ended: {self.failure.reason}")
         if self.limits.max_calls is not None and len(self.calls) >= self.limits.max_calls:
-            self.failure = f"limit: more than max_calls={self.limits.max_calls} calls"
-            raise _Refused(429, self.failure)
+            raise self._fail(429, "limit", f"more than max_calls={self.limits.max_calls} calls")
         extra = body.model_extra or {}
         _refuse_unsupported(extra)
         tools = extra.get("tools") or None
@@ -169,8 +186,7 @@ class Episode:
                 # The interface's verdict on the program's request (prompt too long, ...): the program's
                 # to handle. A server that cannot serve training, or answers 4xx/5xx, fails the episode.
                 raise _Refused(400, str(exc)) from None
-            self.failure = f"{INFERENCE_FAILURE} {type(exc).__name__}: {exc}"[:500]
-            raise _Refused(502, self.failure) from None
+            raise self._fail(502, "inference", f"{type(exc).__name__}: {exc}") from None
         parsed = [
             self.tool_parser(r.text) if tools and self.tool_parser else ParsedCompletion(r.text, [])
             for r in responses
@@ -183,9 +199,15 @@ class Episode:
         self._record(prompt_ids, responses, args)
         total = sum(len(s.tokens) for s in self.sequences)
         if self.limits.max_tokens is not None and total > self.limits.max_tokens:
-            self.failure = f"limit: {total} tokens, more than max_episode_tokens={self.limits.max_tokens}"
-            raise _Refused(429, self.failure)
+            raise self._fail(
+                429, "limit", f"{total} tokens, more than max_episode_tokens={self.limits.max_tokens}"
+            )
         return _chat_response(body, responses, parsed, messages, self.tokenizer)
+
+    def _fail(self, status: int, stage: FailureStage, detail: str) -> _Refused:
+        """End the episode: record why, and answer the call that ended it with `status`."""
+        self.failure = EpisodeFailure(stage, detail)
+        return _Refused(status, self.failure.reason)
 
     def _call_args(self, body: ChatBody, index: int) -> GenerationArgs:
         """The episode's sampling options with those the call sets laid over them."""

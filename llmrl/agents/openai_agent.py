@@ -48,14 +48,14 @@ import openai
 
 from llmrl.agents.base import Problem, placeholder_rollout, request_args
 from llmrl.agents.dataset import DatasetAgent, load_rows
-from llmrl.agents.endpoint import Episode, EpisodeLimits
-from llmrl.agents.reward_only import RewardOnlyAgent
+from llmrl.agents.endpoint import Episode, EpisodeFailure, EpisodeLimits
+from llmrl.agents.reward_only import ProblemSetAgent
 from llmrl.agents.tool_parsers import TOOL_PARSERS
 from llmrl.inference.interface import InferenceInterface
 from llmrl.models.loading import load_tokenizer
 from llmrl.registry import resolve_function
 from llmrl.rewards.functions import Reward
-from llmrl.types import GenerationArgs, InferenceResponse, RolloutGroup, TokenRollout
+from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 Program = Callable[[openai.AsyncOpenAI, dict[str, Any]], Awaitable[Any]]
 
@@ -63,7 +63,7 @@ _training = contextvars.ContextVar("llmrl_openai_agent_training", default=False)
 """Set while training groups are drawn: their episodes refuse options the trainer cannot follow."""
 
 
-class OpenAIAgent(RewardOnlyAgent):
+class OpenAIAgent(ProblemSetAgent):
     """Runs an async program that talks to the policy through an OpenAI client; it returns the reward."""
 
     def __init__(
@@ -96,7 +96,7 @@ class OpenAIAgent(RewardOnlyAgent):
                 its training sequences together, seconds (None: no limit).
             path / name / split / eval_split / data_files / eval_data_files / id_column: the
                 problems, as for the dataset agent (ids default to the row number).
-            **kwargs: `RewardOnlyAgent` options (eval_size, inference_timeout_s, generation_args).
+            **kwargs: `ProblemSetAgent` options (eval_size, inference_timeout_s, generation_args).
         """
         super().__init__(**kwargs)
         program = resolve_function(rollout)
@@ -145,10 +145,6 @@ class OpenAIAgent(RewardOnlyAgent):
     def eval_prompts(self) -> list[Problem] | None:
         return None if self._eval_rows is None else self._problems(self._eval_rows, "eval")
 
-    def reward(self, response: InferenceResponse, problem: Problem) -> float:
-        """Not used: the program returns each episode's reward."""
-        raise NotImplementedError("an agent program scores its own episodes")
-
     # ---- episodes --------------------------------------------------------------------------------
 
     @functools.cached_property
@@ -179,7 +175,7 @@ class OpenAIAgent(RewardOnlyAgent):
         finally:
             _training.reset(token)
 
-    async def _sample(
+    async def run_episodes(
         self, inference: InferenceInterface, problem: Problem, n: int, args: GenerationArgs
     ) -> list[TokenRollout]:
         """`n` episodes of the program on `problem`; failures become placeholders, never exceptions."""
@@ -198,7 +194,7 @@ class OpenAIAgent(RewardOnlyAgent):
             limits=self.limits,
             timeout_s=self.inference_timeout_s,
         )
-        stage, reason = "program", None
+        failure: EpisodeFailure | None = None
         async with httpx.AsyncClient(transport=episode.transport()) as http:
             # The base URL is a name only: the transport answers every request itself.
             client = openai.AsyncOpenAI(
@@ -207,22 +203,22 @@ class OpenAIAgent(RewardOnlyAgent):
             try:
                 result = await asyncio.wait_for(self.program(client, dict(problem.row or {})), self.timeout_s)
             except TimeoutError:
-                stage, reason = "limit", f"limit: the program ran past timeout_s={self.timeout_s} s"
+                failure = EpisodeFailure("limit", f"the program ran past timeout_s={self.timeout_s} s")
             except Exception as exc:  # noqa: BLE001 - the program's failure fails its episode only
-                reason = f"program: {type(exc).__name__}: {exc}"[:500]
+                failure = EpisodeFailure("program", f"{type(exc).__name__}: {exc}")
         if episode.failure is not None:  # what the program saw as an error (and may have caught)
-            stage, reason = episode.failure.partition(":")[0], episode.failure
-        elif reason is None and not episode.sequences:
-            reason = "program: it made no model call"
-        if reason is None:
+            failure = episode.failure
+        elif failure is None and not episode.sequences:
+            failure = EpisodeFailure("program", "it made no model call")
+        if failure is None:
             try:
                 value, components = _reward(result)
             except (TypeError, ValueError) as exc:
-                stage, reason = "reward", f"reward: {exc}"
+                failure = EpisodeFailure("reward", str(exc))
             else:
                 return episode.rollout(self.env_id, problem.id, value, components)
-        self._count_failure(stage, problem, reason, count=1)
-        return placeholder_rollout(self.env_id, problem.id, reason)
+        self._count_failure(failure.stage, problem, failure.reason, count=1)
+        return placeholder_rollout(self.env_id, problem.id, failure.reason)
 
 
 def _reward(result: Any) -> tuple[float, dict[str, float]]:

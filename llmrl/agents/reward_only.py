@@ -1,11 +1,16 @@
 """Reward-only agents: a problem set and a reward function, single- or multi-turn.
 
-A subclass gives `prompts()` (the problems) and `reward(response, problem)`; for multi-turn
-environments also `observe(turn, response, problem)`, which returns the next user message or None
-to stop. Everything else is done here:
+`ProblemSetAgent` holds what does not depend on how an episode runs: problems are split once into
+a fixed held-out evaluation set and a training set, training problems are drawn by a seeded
+`EpochSampler` (no repeats within an epoch, resumable) into groups, and failures are counted. A
+subclass gives `prompts()` and `run_episodes(...)`, which samples one problem's episodes;
+`RewardOnlyAgent` runs them as requests to the inference interface, and agent programs
+(`llmrl.agents.openai_agent`) as a program that returns its own reward.
 
-* problems are split once into a fixed held-out evaluation set and a training set, and training
-  problems are drawn by a seeded `EpochSampler` (no repeats within an epoch, resumable);
+A `RewardOnlyAgent` subclass gives `prompts()` (the problems) and `reward(response, problem)`; for
+multi-turn environments also `observe(turn, response, problem)`, which returns the next user
+message or None to stop. Everything else is done here:
+
 * all requests of a call are issued at once (`asyncio.gather`), one request with ``n=group_size``
   per group, so the engine batches them and shares each prompt's prefill;
 * a multi-turn episode is continued at the token level: the next request carries the exact ids
@@ -66,11 +71,9 @@ log = logging.getLogger(__name__)
 _HELD_OUT_SEED = "llmrl-held-out"
 
 
-class RewardOnlyAgent(Agent):
-    """Base of environments defined by a problem list and a reward (optionally multi-turn)."""
-
-    main_thread_rewards: bool = False
-    """Call `reward` on the event loop's thread when it is the main thread (see the module docstring)."""
+class ProblemSetAgent(Agent):
+    """Base of environments defined by a problem list: splits, problem order, groups, evaluation and
+    failure counters; a subclass says how one problem's episodes run (`run_episodes`)."""
 
     def __init__(
         self,
@@ -78,10 +81,7 @@ class RewardOnlyAgent(Agent):
         env_id: str | None = None,
         seed: int = 0,
         eval_size: int = 64,
-        max_turns: int = 1,
-        reward_timeout_s: float = 60.0,
         inference_timeout_s: float | None = 600.0,
-        reward_concurrency: int = 8,
         generation_args: dict[str, Any] | GenerationArgs | None = None,
     ):
         """
@@ -89,37 +89,23 @@ class RewardOnlyAgent(Agent):
             env_id: name in rollouts, metrics and logs (default: the class name).
             seed: seed of the training problem order.
             eval_size: problems held out for evaluation when `eval_prompts()` gives none.
-            max_turns: most model turns per episode (1 = single-turn).
-            reward_timeout_s: limit of one `reward` or `observe` call.
             inference_timeout_s: limit of one inference request (None = no limit).
-            reward_concurrency: rewards/observations computed at once.
             generation_args: sampling fields this environment sets over the caller's (e.g. max_tokens).
         """
         if eval_size < 0:
             raise ValueError(f"eval_size must be >= 0, got {eval_size}")
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if reward_timeout_s <= 0:
-            raise ValueError(f"reward_timeout_s must be > 0, got {reward_timeout_s}")
         if inference_timeout_s is not None and inference_timeout_s <= 0:
             raise ValueError(f"inference_timeout_s must be > 0 or null, got {inference_timeout_s}")
-        if reward_concurrency < 1:
-            raise ValueError(f"reward_concurrency must be >= 1, got {reward_concurrency}")
         self.env_id = env_id or type(self).__name__
         self.seed = seed
         self.eval_size = eval_size
-        self.max_turns = max_turns
-        self.reward_timeout_s = reward_timeout_s
         self.inference_timeout_s = inference_timeout_s
-        self.reward_concurrency = reward_concurrency
         try:
             self.generation_args = GenerationArgs.model_validate(generation_args or {})
         except ValidationError as exc:
             raise ValueError(validation_problems(exc.errors(), prefix="generation_args.")) from None
         self._counters: Counter[str] = Counter()
         self._groups_drawn = 0
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
 
     # ---- what a subclass provides -------------------------------------------------------------
 
@@ -132,13 +118,10 @@ class RewardOnlyAgent(Agent):
         return None
 
     @abstractmethod
-    def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
-        """Score of the episode's last model turn (a `Reward` also names its parts, for the logs)."""
-
-    def observe(self, turn: int, response: InferenceResponse, problem: Problem) -> str | None:
-        """The user's reply to model turn `turn` (0-based), or None to end the episode."""
-        del turn, response, problem
-        return None
+    async def run_episodes(
+        self, inference: InferenceInterface, problem: Problem, n: int, args: GenerationArgs
+    ) -> list[TokenRollout]:
+        """`n` finished episodes of `problem`; failures become placeholders, never exceptions."""
 
     # ---- problem splits -------------------------------------------------------------------------
 
@@ -199,7 +182,9 @@ class RewardOnlyAgent(Agent):
         self._groups_drawn += num_groups
         samples = await asyncio.gather(
             *(
-                self._sample(inference, p, group_size, request_args(args, self.env_id, "train", first + i))
+                self.run_episodes(
+                    inference, p, group_size, request_args(args, self.env_id, "train", first + i)
+                )
                 for i, p in enumerate(problems)
             )
         )
@@ -226,7 +211,7 @@ class RewardOnlyAgent(Agent):
 
         async def evaluate_one(problem: Problem) -> EvaluationResult:
             requests = [
-                self._sample(
+                self.run_episodes(
                     inference,
                     problem,
                     samples_per_prompt,
@@ -235,7 +220,7 @@ class RewardOnlyAgent(Agent):
             ]
             if greedy:
                 requests.append(
-                    self._sample(
+                    self.run_episodes(
                         inference, problem, 1, request_args(greedy_args, self.env_id, "greedy", problem.id)
                     )
                 )
@@ -268,15 +253,74 @@ class RewardOnlyAgent(Agent):
         self._counters.clear()
         return metrics
 
-    # ---- one problem, n samples ------------------------------------------------------------------
-
     def _sampling_args(self, caller: GenerationArgs | None) -> GenerationArgs:
         return (caller or GenerationArgs()).merge(self.generation_args)
 
-    async def _sample(
+    def _count_failure(self, stage: str, problem: Problem, reason: str, *, count: int) -> None:
+        """Count and log `count` rollouts of `problem` replaced by placeholders for `reason`."""
+        self._counters[f"failures/{stage}"] += 1
+        self._counters["placeholders"] += count
+        log.warning(
+            "%s: problem %s: %s (%d rollout(s) replaced by placeholders)",
+            self.env_id,
+            problem.id,
+            reason,
+            count,
+        )
+
+
+class RewardOnlyAgent(ProblemSetAgent):
+    """Base of environments defined by a problem list and a reward (optionally multi-turn)."""
+
+    main_thread_rewards: bool = False
+    """Call `reward` on the event loop's thread when it is the main thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_turns: int = 1,
+        reward_timeout_s: float = 60.0,
+        reward_concurrency: int = 8,
+        **kwargs: Any,
+    ):
+        """
+        Args:
+            max_turns: most model turns per episode (1 = single-turn).
+            reward_timeout_s: limit of one `reward` or `observe` call.
+            reward_concurrency: rewards/observations computed at once.
+            **kwargs: `ProblemSetAgent` options (env_id, seed, eval_size, inference_timeout_s,
+                generation_args).
+        """
+        super().__init__(**kwargs)
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if reward_timeout_s <= 0:
+            raise ValueError(f"reward_timeout_s must be > 0, got {reward_timeout_s}")
+        if reward_concurrency < 1:
+            raise ValueError(f"reward_concurrency must be >= 1, got {reward_concurrency}")
+        self.max_turns = max_turns
+        self.reward_timeout_s = reward_timeout_s
+        self.reward_concurrency = reward_concurrency
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- what a subclass provides -------------------------------------------------------------
+
+    @abstractmethod
+    def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
+        """Score of the episode's last model turn (a `Reward` also names its parts, for the logs)."""
+
+    def observe(self, turn: int, response: InferenceResponse, problem: Problem) -> str | None:
+        """The user's reply to model turn `turn` (0-based), or None to end the episode."""
+        del turn, response, problem
+        return None
+
+    # ---- one problem, n samples ------------------------------------------------------------------
+
+    async def run_episodes(
         self, inference: InferenceInterface, problem: Problem, n: int, args: GenerationArgs
     ) -> list[TokenRollout]:
-        """`n` finished episodes of `problem`; failures become placeholders, never exceptions."""
+        """One request for `n` completions of `problem`, each continued (multi-turn) and scored."""
         try:
             responses = await self._generate(
                 inference, InferenceRequest(prompt=problem.prompt, generation_args=args, n=n)
@@ -378,18 +422,6 @@ class RewardOnlyAgent(Agent):
             reason = f"{stage}: {type(exc).__name__}: {exc}"[:500]
         self._count_failure(stage, problem, reason, count=count)
         return reason
-
-    def _count_failure(self, stage: str, problem: Problem, reason: str, *, count: int) -> None:
-        """Count and log `count` rollouts of `problem` replaced by placeholders for `reason`."""
-        self._counters[f"failures/{stage}"] += 1
-        self._counters["placeholders"] += count
-        log.warning(
-            "%s: problem %s: %s (%d rollout(s) replaced by placeholders)",
-            self.env_id,
-            problem.id,
-            reason,
-            count,
-        )
 
 
 def _completion_text(rollout: TokenRollout) -> str:
