@@ -32,6 +32,7 @@ subclass this agent to keep the loading and replace the reward.
 from __future__ import annotations
 
 import importlib.resources
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -88,7 +89,65 @@ def load_rows(
     return datasets.load_dataset(builder, data_files=files, split="train").to_list()
 
 
-class DatasetAgent(RewardOnlyAgent):
+class RowProblems(ABC):
+    """`prompts()` and `eval_prompts()` of an agent whose problems are data rows, one problem a row:
+    the training rows (`_rows`) and the separate evaluation rows, if any (`_eval_rows`). A problem's
+    id is its `id_column` value, else its split and row number; a subclass says how a row becomes a
+    prompt, and an answer."""
+
+    id_column: str | None
+    _rows: list[dict[str, Any]]
+    _eval_rows: list[dict[str, Any]] | None
+
+    @staticmethod
+    def value(row: dict[str, Any], column: str) -> Any:
+        """`row`'s value of `column`: a column name, or a dotted path into struct columns."""
+        if column in row:
+            return row[column]
+        head, *fields = column.split(".")
+        if not fields or head not in row:
+            raise ValueError(f"not a column; the data's columns are {list(row)}")
+        value, walked = row[head], head
+        for name in fields:
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{walked!r} holds {_shown(value)}, not a struct; the data's columns are {list(row)}"
+                )
+            if name not in value:
+                raise ValueError(
+                    f"the struct {walked!r} has no field {name!r}, only {list(value)}; the data's columns are {list(row)}"
+                )
+            value, walked = value[name], f"{walked}.{name}"
+        return value
+
+    @abstractmethod
+    def prompt_from_row(self, row: dict[str, Any], split: str, index: int) -> str | list[ChatMessage]:
+        """The prompt of row `index` of `split` (``train`` or ``eval``)."""
+
+    def answer_from_row(self, row: dict[str, Any]) -> Any:
+        """The reference stored in `Problem.answer` (none unless a subclass reads one)."""
+        del row
+        return None
+
+    def _problems(self, rows: list[dict[str, Any]], split: str) -> list[Problem]:
+        return [
+            Problem(
+                id=str(self.value(row, self.id_column)) if self.id_column else f"{split}-{index}",
+                prompt=self.prompt_from_row(row, split, index),
+                answer=self.answer_from_row(row),
+                row=row,
+            )
+            for index, row in enumerate(rows)
+        ]
+
+    def prompts(self) -> list[Problem]:
+        return self._problems(self._rows, "train")
+
+    def eval_prompts(self) -> list[Problem] | None:
+        return None if self._eval_rows is None else self._problems(self._eval_rows, "eval")
+
+
+class DatasetAgent(RowProblems, RewardOnlyAgent):
     """Problems from a dataset with a column mapping; reward functions, or exact match on the marked
     answer."""
 
@@ -193,27 +252,6 @@ class DatasetAgent(RewardOnlyAgent):
             f"of {{role, content}} messages"
         )
 
-    @staticmethod
-    def value(row: dict[str, Any], column: str) -> Any:
-        """`row`'s value of `column`: a column name, or a dotted path into struct columns."""
-        if column in row:
-            return row[column]
-        head, *fields = column.split(".")
-        if not fields or head not in row:
-            raise ValueError(f"not a column; the data's columns are {list(row)}")
-        value, walked = row[head], head
-        for name in fields:
-            if not isinstance(value, dict):
-                raise ValueError(
-                    f"{walked!r} holds {_shown(value)}, not a struct; the data's columns are {list(row)}"
-                )
-            if name not in value:
-                raise ValueError(
-                    f"the struct {walked!r} has no field {name!r}, only {list(value)}; the data's columns are {list(row)}"
-                )
-            value, walked = value[name], f"{walked}.{name}"
-        return value
-
     def _checked_value(self, row: dict[str, Any], field: str, source: str) -> Any:
         """`value` of the column the attribute `field` names; errors name the file and the column."""
         column = getattr(self, field)
@@ -261,7 +299,7 @@ class DatasetAgent(RewardOnlyAgent):
 
     # ---- problems --------------------------------------------------------------------------------
 
-    def _prompt(self, row: dict[str, Any], source: str, index: int) -> str | list[ChatMessage]:
+    def prompt_from_row(self, row: dict[str, Any], split: str, index: int) -> str | list[ChatMessage]:
         if self.layout == "flat":
             text = self.prompt_template.format_map(self.template_fields(row))
             return make_prompt(text, system_prompt=self.system_prompt, chat=self.chat)
@@ -269,6 +307,7 @@ class DatasetAgent(RewardOnlyAgent):
         try:
             messages = [ChatMessage.model_validate(message) for message in raw]
         except ValidationError as exc:
+            source = self._source if split == "train" else f"the evaluation data ({self._source})"
             raise ValueError(
                 f"{source}: row {index}, column {self.prompt_column!r}: not chat messages "
                 f"({validation_problems(exc.errors()[:1])}); found {_shown(raw)}"
@@ -276,24 +315,6 @@ class DatasetAgent(RewardOnlyAgent):
         if self.system_prompt and not any(m.role == "system" for m in messages):
             messages.insert(0, ChatMessage(role="system", content=self.system_prompt))
         return messages
-
-    def _problems(self, rows: list[dict[str, Any]], split: str) -> list[Problem]:
-        source = self._source if split == "train" else f"the evaluation data ({self._source})"
-        return [
-            Problem(
-                id=str(self.value(row, self.id_column)) if self.id_column else f"{split}-{index}",
-                prompt=self._prompt(row, source, index),
-                answer=self.answer_from_row(row),
-                row=row,
-            )
-            for index, row in enumerate(rows)
-        ]
-
-    def prompts(self) -> list[Problem]:
-        return self._problems(self._rows, "train")
-
-    def eval_prompts(self) -> list[Problem] | None:
-        return None if self._eval_rows is None else self._problems(self._eval_rows, "eval")
 
     # ---- reward ----------------------------------------------------------------------------------
 

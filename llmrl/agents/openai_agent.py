@@ -47,7 +47,7 @@ import httpx
 import openai
 
 from llmrl.agents.base import Problem, placeholder_rollout, request_args
-from llmrl.agents.dataset import DatasetAgent, load_rows
+from llmrl.agents.dataset import RowProblems, load_rows
 from llmrl.agents.endpoint import Episode, EpisodeFailure, EpisodeLimits
 from llmrl.agents.reward_only import ProblemSetAgent
 from llmrl.agents.tool_parsers import TOOL_PARSERS
@@ -63,7 +63,7 @@ _training = contextvars.ContextVar("llmrl_openai_agent_training", default=False)
 """Set while training groups are drawn: their episodes refuse options the trainer cannot follow."""
 
 
-class OpenAIAgent(ProblemSetAgent):
+class OpenAIAgent(RowProblems, ProblemSetAgent):
     """Runs an async program that talks to the policy through an OpenAI client; it returns the reward."""
 
     def __init__(
@@ -129,21 +129,10 @@ class OpenAIAgent(ProblemSetAgent):
 
     # ---- problems --------------------------------------------------------------------------------
 
-    def _problems(self, rows: list[dict[str, Any]], split: str) -> list[Problem]:
-        return [
-            Problem(
-                id=str(DatasetAgent.value(row, self.id_column)) if self.id_column else f"{split}-{index}",
-                prompt=json.dumps(row, default=str),
-                row=row,
-            )
-            for index, row in enumerate(rows)
-        ]
-
-    def prompts(self) -> list[Problem]:
-        return self._problems(self._rows, "train")
-
-    def eval_prompts(self) -> list[Problem] | None:
-        return None if self._eval_rows is None else self._problems(self._eval_rows, "eval")
+    def prompt_from_row(self, row: dict[str, Any], split: str, index: int) -> str:
+        """The row as JSON, for evaluation results: the program itself is given the row."""
+        del split, index
+        return json.dumps(row, default=str)
 
     # ---- episodes --------------------------------------------------------------------------------
 
