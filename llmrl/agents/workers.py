@@ -19,8 +19,8 @@ class DaemonWorkers:
 
     A call that hangs keeps its thread, which is abandoned: later calls get other threads, and the
     interpreter never waits for it at exit (a shared executor would queue later calls behind a hung
-    one, and join it at exit). Reusing threads matters because starting one per call cost more than
-    an arithmetic reward: 64 calls took 8 ms on an idle 2-core machine and up to 180 ms on a busy one.
+    one, and join it at exit). Reusing threads matters because starting one per call costs more than
+    a cheap reward such as the arithmetic one, and far more on a busy machine.
     """
 
     def __init__(self, idle_s: float = 30.0):

@@ -30,8 +30,8 @@ _ARRAY_CODES = {torch.int64: "q", torch.float32: "f"}
 
 def list_tensor(values: list, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` for a flat list of ints (int64) or
-    floats (float32), ~3x faster: `torch.tensor` converts element by element (~0.1 us each,
-    ~40 us for a step's few hundred indices), a typed `array` in one pass."""
+    floats (float32), faster: `torch.tensor` converts element by element, a typed `array` in one
+    pass."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     return torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype).to(device)
@@ -67,9 +67,8 @@ class KVCache:
     KEEP_WHILE_IDLE = 1 << 30
     """On CPU, a KV cache of at most this many bytes stays allocated when its batch ends (`reset`),
     so the next batch reuses it instead of growing into fresh memory, whose first touch of each
-    4 KiB page faults (~3 us a page on the VM measured: a grpo batch's three growths took 12-17 ms,
-    ~5% of its run). On CUDA, torch's caching allocator already reuses the memory, and training
-    may need it while the engine idles."""
+    4 KiB page faults, a noticeable share of a small model's batch. On CUDA, torch's caching
+    allocator already reuses the memory, and training may need it while the engine idles."""
 
     def __init__(
         self,
@@ -227,7 +226,7 @@ def _swap_remove(
     assert len(holes) == len(movers)
     order = list(range(remaining))
     if used and caches[0] is not None:  # nothing cached yet: nothing to move
-        # One slice copy per entry: at 1-8 entries 0.25-0.65x the time of one indexed copy.
+        # One slice copy per entry: for the few entries that leave at once, cheaper than one indexed copy.
         for cache in caches:
             for hole, mover in zip(holes, movers, strict=True):
                 cache[:, hole, :, :used] = cache[:, mover, :, :used]

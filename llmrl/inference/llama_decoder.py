@@ -7,14 +7,14 @@ groups sharing one prompt, while a ``DynamicCache`` appends every row at one sha
 each join or leave would re-pad the cache; and the per-step work is smaller
 (``bench/generation.py`` prints one 64-row step against ``model(...)`` + ``DynamicCache``).
 transformers' own continuous-batching manager (``generate_batch``, paged attention) runs on CPU
-but took ~11 s for the 4096-token GRPO workload that ``generate`` does in ~1.1 s, and has one
+but is far slower than ``generate`` on the GRPO workload of ``bench/generation.py``, and has one
 seed per manager, not per request.
 
 Prefill decides per group where its prompt goes. Decode attention is memory-bound (it reads the
 cache), so a long prompt with many samples is kept once in the shared cache and attended by
-cascade attention. A short prompt (``SHARE_FROM``, with the measured crossover) is copied into
-each of its rows instead, where four ops per layer attend to it, cheaper than the cascade's
-dozen; when no shared group is running, decode takes that path.
+cascade attention. A short prompt (below ``SHARE_FROM``) is copied into each of its rows instead,
+where four ops per layer attend to it, cheaper than the cascade's dozen; when no shared group is
+running, decode takes that path.
 """
 
 from __future__ import annotations
@@ -48,11 +48,9 @@ class LlamaFamilyDecoder:
 
     SHARE_FROM = 768
     """A group keeps one copy of its prompt once sharing saves this many cached prompt tokens,
-    ``len(prompt) * (n - 1)``; smaller groups copy the prompt into each row. Measured on the tiny
-    model (one step after 32 generated tokens, 2 threads; time shared / inline): 8 groups x 8 rows
-    of 18-token prompts 1.16, of 64 tokens 1.19, of 128 tokens 0.84, of 256 tokens 0.83; 16 x 4 of
-    128 tokens 1.08; 4 x 16 of 256 tokens 0.83; 1 x 8 of 256 tokens 1.28 (a small batch whose cache
-    fits in L2 gains little from reading less and pays the cascade's extra ops)."""
+    ``len(prompt) * (n - 1)``; smaller groups copy the prompt into each row. The value is the
+    crossover on the tiny model: below it the cascade's extra ops cost more than reading the prompt
+    once saves (a small batch whose cache fits in L2 gains little from reading less)."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:

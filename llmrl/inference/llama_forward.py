@@ -362,8 +362,7 @@ class LlamaForward:
         """Attention over each row's cached positions and its new token, (B, Hkv, G, D).
 
         Written out rather than ``scaled_dot_product_attention``: with one query position its CPU
-        kernel took 1.3x as long per step (tiny model, 64 rows, 2 threads). Computed in float32
-        whatever the model's dtype (`_float32`).
+        kernel is slower. Computed in float32 whatever the model's dtype (`_float32`).
         """
         dtype = q.dtype
         q, key, value, *cached = _float32(q, key, value, *cached)
@@ -457,11 +456,9 @@ def _column_linear(
 
     Why the residual stream is kept by columns: MKL splits a matmul over its threads by the rows
     of its left operand and has each thread pack the whole right one. With tokens on the left (a
-    decode step's 64 rows) each thread packed the whole weight matrix, ~36% of the matmuls' time in
-    a profile of a 64-row step; with the weights on the left, each thread reads its half of them
-    and packs only the tokens. The step's 17 matmuls took 0.64x the time (tiny model, 64 rows, 2
-    threads; each shape 0.72-0.84x, 0.66-0.97x at 256 rows, 0.84-0.95x at 8). The q/k/v
-    projection stays by token, as attention reads it.
+    decode step's rows) each thread would pack the whole weight matrix, a large share of the
+    matmuls' time; with the weights on the left, each thread reads its half of them and packs only
+    the tokens. The q/k/v projection stays by token, as attention reads it.
     """
     out = torch.mm(weight, x) if residual is None else torch.addmm(residual, weight, x)
     return out if bias is None else out + bias[:, None]

@@ -5,10 +5,10 @@ random stream. A step draws all rows' tokens with a handful of tensor ops (no pe
 
 0. (``penalize``, only for rows that ask) repetition and presence penalties change the logits of
    tokens seen before, as Hugging Face and vLLM define them, and `min_tokens` bans stop tokens.
-1. ``probs = softmax(logits / T)`` in float32. One pass over the vocabulary instead of
-   ``log_softmax`` then ``exp`` (~45 us of a ~4 ms step at 64 rows x 1024 tokens); the log of a
-   float32 probability is within ~1e-7 of ``log_softmax``, and a drawn token never has
-   probability 0 (step 3), a greedy one is the most likely.
+1. ``probs = softmax(logits / T)`` in float32. One pass over the vocabulary instead of two
+   (``log_softmax`` then ``exp``); the log of a float32 probability is within ~1e-7 of
+   ``log_softmax``, and a drawn token never has probability 0 (step 3), a greedy one is the most
+   likely.
 2. Min-p (tokens below ``min_p`` times the row's largest probability are dropped), then top-k,
    then top-p on what is left, renormalised: on each row's probabilities sorted in descending
    order, drop ranks >= k, then every token whose higher-ranked mass already reaches ``top_p`` of
@@ -53,7 +53,8 @@ class RowSampling:
     """Sampling parameters of a batch's rows as tensors; rebuilt whenever the batch's rows change.
 
     A tensor that `sample_tokens` will not read is None (the usual batch, T=1 without top-k or
-    top-p, needs none): each costs a `torch.tensor` call of ~15-30 us on every change of rows.
+    top-p, needs none): each costs a `torch.tensor` call on every change of rows, not negligible
+    beside a small model's decode step.
     """
 
     temperature: torch.Tensor | None
@@ -175,12 +176,10 @@ def penalize(
 
 PARTIAL_SORT = 64
 """Top-k/top-p first look at each row's `PARTIAL_SORT` largest probabilities (``topk``), and sort
-the whole vocabulary only when some row's kept set may reach beyond them. Measured (64 rows x
-1024 tokens, 2 threads): a full sort ~1.7 ms per step, against a ~3 ms decode step; ``topk(64)``
-~0.3 ms. A sampling step with top_p=0.9 at T=0.7 on peaked logits (randn x 4) went from 3.4 to
-0.8 ms; a flat distribution (randn x 1) pays both, 3.9 ms. The tiny model's nucleus of 0.9 holds
-1-8 tokens. Top-p's mass is the row's whole sum here rather than the sorted prefix sum, equal up
-to float32 rounding."""
+the whole vocabulary only when some row's kept set may reach beyond them: a full sort costs a large
+share of a small model's decode step, ``topk`` a fraction of that, and a nucleus usually holds a few
+tokens. A flat distribution, whose nucleus reaches beyond them, pays both. Top-p's mass is the
+row's whole sum here rather than the sorted prefix sum, equal up to float32 rounding."""
 
 
 def _filter(probs: torch.Tensor, rows: RowSampling) -> torch.Tensor:

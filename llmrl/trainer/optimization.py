@@ -61,8 +61,8 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters and its schedule (`build_schedule`), stepped once per RL step.
 
-    The fused kernel: torch picks the per-parameter loop on CPU otherwise, which took 3.7 ms per step
-    on the tiny model against 0.7 ms fused (8-33 ms against 0.8 ms on a busy machine).
+    The fused kernel: on CPU torch otherwise picks the per-parameter loop, which is several times slower
+    on small models, and more so on a busy machine.
     """
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
