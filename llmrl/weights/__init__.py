@@ -21,6 +21,7 @@ vLLM transports, which run vLLM's route sequence, live with the vLLM client (`ll
 
 from llmrl.weights.adapters import AdapterWeights, read_adapter
 from llmrl.weights.buckets import (
+    TRANSFER_BACKEND,
     Bucket,
     delete_bucket_files,
     read_state_dict,
@@ -49,6 +50,7 @@ from llmrl.weights.transport import (
 )
 
 __all__ = [
+    "TRANSFER_BACKEND",
     "AdapterWeights",
     "Bucket",
     "FullWeights",

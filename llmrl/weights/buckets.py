@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+TRANSFER_BACKEND = "llmrl"
+"""The name of llmrl's weight-transfer backend inside vLLM (`vllm_worker`), which reads these buckets."""
+
 
 def weight_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
     """Split `names` (in order) into buckets of at most `bucket_bytes`, never splitting a decoder

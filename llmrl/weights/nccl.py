@@ -3,7 +3,8 @@ own NCCL trainer engine, around the same route sequence as the bucket transports
 
 The trainer is NCCL rank 0; the workers of server i join at 1 + the world sizes (tensor x pipeline
 x data parallel) of the servers before it. vLLM drives the broadcast; llmrl gives it a control
-client that runs each server's routes (`ServerRoutes`, the vLLM client's) on every server at once:
+client that runs each server's routes (`ServerRoutes`, `llmrl.inference.vllm.routes.VLLMRoutes`)
+on every server at once:
 the pause before, the prefix-cache reset and resume after, the version check, and a timeout on the
 broadcast (a collective cannot be cancelled, so it runs on a worker thread and the caller stops
 waiting; the servers must then be restarted).
@@ -26,11 +27,12 @@ from urllib.parse import urlparse
 import torch
 
 from llmrl.processes import free_port
-from llmrl.weights.transport import Weights, WeightSyncError, weight_parts
+from llmrl.weights.payloads import FullWeights
+from llmrl.weights.transport import WeightSyncError, WeightTransport
 
 
 class ServerRoutes(Protocol):
-    """One vLLM server's weight-update routes (`llmrl.inference.vllm.sync.VLLMRoutes`)."""
+    """One vLLM server's weight-update routes (`llmrl.inference.vllm.routes.VLLMRoutes`)."""
 
     url: str
 
@@ -48,7 +50,7 @@ class _ServersClient:
     def __init__(self, servers: Sequence[ServerRoutes], rank_offsets: list[int]):
         self.servers = servers
         self.rank_offsets = rank_offsets
-        self.version = 0
+        self.version = 0  # of the broadcast under way
 
     def _on_all(self, call: Callable[[ServerRoutes, int], Awaitable[None]]) -> None:
         async def run() -> None:
@@ -66,7 +68,9 @@ class _ServersClient:
         self._on_all(lambda server, offset: server.update(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._on_all(lambda server, offset: server.end(self.version))
+        """vLLM's NCCL engine names no `weight_version`: the broadcast's own is served then."""
+        version = int(weight_version) if weight_version is not None else self.version
+        self._on_all(lambda server, offset: server.end(version))
 
     def resume_all(self) -> None:
         self._on_all(lambda server, offset: server.resume())
@@ -94,8 +98,10 @@ class _StateSource:
         return Source()
 
 
-class NCCLTransport:
-    """`WeightTransport` to vLLM servers' workers, joined in one NCCL group at construction."""
+class NCCLTransport(WeightTransport[FullWeights]):
+    """Whole weights to vLLM servers' workers, joined in one NCCL group at construction."""
+
+    takes = ("weights",)
 
     def __init__(self, servers: Sequence[ServerRoutes], *, timeout_s: float):
         try:
@@ -126,10 +132,9 @@ class NCCLTransport:
         )
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nccl-weights")
 
-    def send(self, weights: Weights, version: int, *, reset: bool = False) -> None:
+    def send(self, payload: FullWeights, version: int, *, reset: bool = False) -> None:
         """Broadcast one state dict (buckets are collected into it); the caller checks versions."""
-        del reset
-        self.source.state = {name: t for part in weight_parts(weights) for name, t in part.items()}
+        self.source.state = payload.state_dict()
         self.client.version = version
         future = self._sender.submit(self.engine.send_weights)
         try:

@@ -40,9 +40,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from llmrl.weights.buckets import TRANSFER_BACKEND
 from llmrl.weights.checks import Manifest, manifest_problem
-
-BACKEND = "llmrl"
 
 
 @dataclass
@@ -177,6 +176,6 @@ class LlmrlWorkerExtension:
         }
 
 
-WeightTransferEngineFactory.register_engine(BACKEND, LlmrlWeightTransferEngine)
+WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, LlmrlWeightTransferEngine)
 
-__all__ = ["BACKEND", "LlmrlWeightTransferEngine", "LlmrlWorkerExtension", "checkpoint_manifest"]
+__all__ = ["LlmrlWeightTransferEngine", "LlmrlWorkerExtension", "checkpoint_manifest"]

@@ -246,7 +246,9 @@ def test_a_sync_to_a_server_that_stopped_answering_reports_it_unreachable():
     def dead(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
-    vllm._routes[0].settings = vllm._routes[0].settings.__class__(1, 1, transport=httpx.MockTransport(dead))
+    vllm._endpoints[0].routes.settings = vllm._endpoints[0].routes.settings.__class__(
+        1, 1, transport=httpx.MockTransport(dead)
+    )
     with pytest.raises(WeightSyncError, match="ConnectError"):
         vllm.update_weights(STATE, version=1)
     assert vllm.health().unreachable_since is not None
@@ -285,7 +287,7 @@ def test_a_restarted_managed_server_is_announced_in_one_line(caplog):
     endpoint = vllm._endpoints[0]
     with caplog.at_level("WARNING"):
         for _ in range(8):  # many failed requests, one restart
-            assert vllm._recover(endpoint, "a request failed (ConnectError)")
+            assert vllm._recover(0, "a request failed (ConnectError)")
             managed.up = True
     lines = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
     assert lines == [
@@ -365,13 +367,13 @@ def test_each_adapter_version_loads_under_its_own_name_and_the_requests_after_it
     assert ask(vllm) == 1 and server.models[-1] == first["lora_name"]
 
     # A request still running on version 1 keeps it loaded through the next sync ...
-    vllm._endpoints[0].adapter_requests[first["lora_name"]] += 1
+    vllm.transport.states[0].running[first["lora_name"]] += 1
     vllm.update_weights(scripted_adapter(2), version=2)
     second = server.loads[1]
     assert "/v1/unload_lora_adapter" not in server.calls and Path(first["lora_path"]).is_dir()
     assert ask(vllm) == 2 and server.models[-1] == second["lora_name"]
     # ... and once it is done, the sync after that unloads it and deletes its folder.
-    vllm._endpoints[0].adapter_requests[first["lora_name"]] -= 1
+    vllm.transport.states[0].running[first["lora_name"]] -= 1
     vllm.update_weights(scripted_adapter(3), version=3)
     assert server.calls.count("/v1/unload_lora_adapter") == 2  # versions 1 and 2
     assert [p.name for p in tmp_path.iterdir()] == [server.loads[2]["lora_name"]]
@@ -387,9 +389,9 @@ def test_an_adapter_is_checked_against_the_served_checkpoint_and_the_interface_t
     wrong.tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = torch.ones(5, 4)
     with pytest.raises(ValueError, match=r"gate_proj.lora_B.weight.*shape \[5, 4\].*\[6, 4\]"):
         vllm.update_weights(wrong, version=1)
-    with pytest.raises(WeightSyncError, match="this interface serves adapters"):
+    with pytest.raises(WeightSyncError, match="serves LoRA adapters, not whole weights"):
         vllm.update_weights(STATE, version=1)
-    with pytest.raises(WeightSyncError, match="this interface serves whole weights"):
+    with pytest.raises(WeightSyncError, match="serves whole weights, not LoRA adapters"):
         interface(ScriptedVLLM()).update_weights(scripted_adapter(1), version=1)
     assert server.calls == []
 
@@ -456,7 +458,7 @@ def test_a_restarted_managed_server_loads_the_last_adapter_again_and_serves_it(t
     vllm.update_weights(scripted_adapter(1), version=1)
     vllm.update_weights(scripted_adapter(2), version=2)
     managed.up = False
-    assert vllm._recover(vllm._endpoints[0], "a request failed (ConnectError)")
+    assert vllm._recover(0, "a request failed (ConnectError)")
     assert [load["lora_name"] for load in server.loads[1:]] == [server.loads[1]["lora_name"]] * 2
-    assert vllm._endpoints[0].loaded_adapters == {server.loads[1]["lora_name"]}
+    assert vllm.transport.states[0].loaded == {server.loads[1]["lora_name"]}
     assert ask(vllm) == 2 and server.models[-1] == server.loads[1]["lora_name"]

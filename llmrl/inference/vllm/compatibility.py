@@ -23,7 +23,6 @@ from llmrl.inference.vllm.server import (
     training_flags,
     transfer_backend,
 )
-from llmrl.weights import WeightSyncError
 
 
 class IncompatibleServerError(UnsupportedServerError, UserError):
@@ -36,10 +35,7 @@ async def check_trainable(
     """The server's facts (`llmrl_server_facts` of the worker extension), or `IncompatibleServerError`
     naming every missing flag; `InferenceServerError` when it does not answer at all. `lora_rank`:
     the rank of the LoRA adapters it will be sent (None: full weights)."""
-    try:
-        await routes.call("GET", "/health")
-    except WeightSyncError as exc:
-        raise InferenceServerError(str(exc).replace(" failed:", ":"), status=exc.status) from None
+    await routes.call("GET", "/health", error=InferenceServerError)
     facts: dict[str, Any] = {}
     missing: list[str] = []
     if await _route_missing(routes, "GET", "/weight_info"):
@@ -48,12 +44,13 @@ async def check_trainable(
         )
     else:
         try:
-            facts = (await routes.call("POST", "/collective_rpc", json={"method": "llmrl_server_facts"}))[
-                "results"
-            ][0]
-        except WeightSyncError as exc:
+            answer = await routes.call(
+                "POST", "/collective_rpc", json={"method": "llmrl_server_facts"}, error=InferenceServerError
+            )
+            facts = answer["results"][0]
+        except InferenceServerError as exc:
             if exc.status is None:
-                raise InferenceServerError(str(exc)) from None
+                raise
             missing.append(
                 f"--worker-extension-cls {EXTENSION_CLASS} (the other settings are read through it)"
             )
@@ -123,8 +120,8 @@ def compatible_command(model: str, config: VLLMConfig, lora_rank: int | None = N
 async def _route_missing(routes: VLLMRoutes, method: str, path: str) -> bool:
     """Whether `path` is 404 (only a 404 is telling: other failures show in the next call)."""
     try:
-        await routes.call(method, path)
-    except WeightSyncError as exc:
+        await routes.call(method, path, error=InferenceServerError)
+    except InferenceServerError as exc:
         return exc.status == 404
     return False
 
@@ -132,6 +129,6 @@ async def _route_missing(routes: VLLMRoutes, method: str, path: str) -> bool:
 async def _model(routes: VLLMRoutes) -> str:
     """The served model's name, for the command line (MODEL when the server does not say)."""
     try:
-        return str((await routes.call("GET", "/v1/models"))["data"][0]["id"])
-    except (WeightSyncError, KeyError, IndexError, TypeError):
+        return str((await routes.call("GET", "/v1/models", error=InferenceServerError))["data"][0]["id"])
+    except (InferenceServerError, KeyError, IndexError, TypeError):
         return "MODEL"

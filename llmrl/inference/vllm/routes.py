@@ -1,4 +1,4 @@
-"""One vLLM server as the vLLM client sees it (`Endpoint`), and its weight-update routes (`VLLMRoutes`).
+"""One vLLM server's control routes (`VLLMRoutes`), and the weight-sync sequence over them.
 
 A weight sync on one server, for the bucket transports (the NCCL transport runs the same routes
 around its broadcast, `llmrl.weights.nccl`)::
@@ -18,48 +18,22 @@ started with; versions no request uses any more are unloaded at the next sync::
     POST /v1/load_lora_adapter {"lora_name": "<name of the version>", "lora_path": "<PEFT folder>"}
     POST /v1/unload_lora_adapter {"lora_name": "<an older version's name>"}
 
-Every call has a timeout and a failure raises `WeightSyncError` naming the server and the call.
+Every call has a timeout and a failure raises `WeightSyncError` (or the error a caller asks for)
+naming the server and the call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.interface import Reachability
-from llmrl.inference.openai import OpenAIInterface
-from llmrl.inference.vllm.server import VLLMServer
-from llmrl.weights import Bucket, Manifest, WeightSyncError
-
-
-@dataclass
-class Endpoint:
-    """One server: its generation client, its load, and the gate that holds requests during a sync."""
-
-    url: str
-    client: OpenAIInterface
-    server: VLLMServer | None = None  # managed servers only
-    outstanding: int = 0
-    served: int = 0  # requests answered
-    version: int = 0
-    adapter: str | None = None  # the LoRA adapter version requests are sent to (None: the weights)
-    adapter_requests: Counter[str] = field(default_factory=Counter)  # outstanding requests per adapter
-    loaded_adapters: set[str] = field(default_factory=set)
-    restarts: int = 0
-    manifest: Manifest = field(default_factory=dict)
-    reachability: Reachability = field(default_factory=Reachability)
-    open: threading.Event = field(default_factory=threading.Event)
-    restart_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.open.set()
+from llmrl.weights import Bucket, WeightSyncError
 
 
 @dataclass(frozen=True)
@@ -74,12 +48,13 @@ class ControlSettings:
 
 
 class VLLMRoutes:
-    """The control routes of one server (`llmrl.weights.nccl.ServerRoutes` and the bucket sequence)."""
+    """The control routes of one server (`llmrl.weights.nccl.ServerRoutes` and the bucket sequence);
+    every answer, or its absence, is reported to `reachability`."""
 
-    def __init__(self, endpoint: Endpoint, settings: ControlSettings):
-        self.endpoint = endpoint
-        self.url = endpoint.url
+    def __init__(self, url: str, settings: ControlSettings, reachability: Reachability):
+        self.url = url
         self.settings = settings
+        self.reachability = reachability
 
     def client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
@@ -91,19 +66,26 @@ class VLLMRoutes:
         )
 
     async def call(
-        self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout_s: float | None = None,
+        error: type[Exception] = WeightSyncError,
+        **kwargs: Any,
     ) -> dict[str, Any]:
-        """One control call under its timeout; `WeightSyncError` names the server and the call."""
+        """One control call under its timeout; a failure raises `error` (message, status=) naming the
+        server and the call."""
         policy = RetryPolicy(timeout_s or self.settings.control_timeout_s)
         try:
             async with self.client() as client:
                 answer = await send(
-                    client, method, path, policy, on_answer=self.endpoint.reachability.observe, **kwargs
+                    client, method, path, policy, on_answer=self.reachability.observe, **kwargs
                 )
         except HTTPRequestError as exc:
             if exc.status is None:
-                raise WeightSyncError(f"vLLM at {self.url}: {method} {path} failed: {exc.failure}") from None
-            raise WeightSyncError(
+                raise error(f"vLLM at {self.url}: {method} {path}: {exc.failure}", status=None) from None
+            raise error(
                 f"vLLM at {self.url}: {method} {path} answered {exc.status}: {exc.detail[:500]}",
                 status=exc.status,
             ) from None
@@ -157,7 +139,6 @@ class VLLMRoutes:
             raise WeightSyncError(
                 f"vLLM at {self.url} reports weight version {served!r} after syncing {version}"
             )
-        self.endpoint.version = version
 
     async def _finish(self, version: int) -> None:
         await self.call(

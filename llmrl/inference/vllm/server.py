@@ -18,9 +18,9 @@ import torch
 
 from llmrl.config import VLLM_LORA_RANKS, ConfigError, ModelConfig, VLLMConfig
 from llmrl.inference.vllm.processes import die_with_parent, forget, kill_session_leftovers, stop_at_exit
+from llmrl.weights import TRANSFER_BACKEND
 
 EXTENSION_CLASS = "llmrl.weights.vllm_worker.LlmrlWorkerExtension"
-TRANSFER_BACKEND = "llmrl"
 _LOG_TAIL_LINES = 30
 
 
