@@ -47,7 +47,7 @@ from llmrl.models import load_model
 from llmrl.trainer.distributed import tied_duplicates
 from llmrl.trainer.lora import Adapters
 from llmrl.trainer.memory import GB, PeakMemory
-from llmrl.weights import Weights, tensor_bytes
+from llmrl.trainer.weight_sync import WeightsSource, weights_source
 
 LORA = LoraConfig(rank=16, alpha=32, target_modules="all-linear")
 MODES = ("full", "lora")
@@ -63,24 +63,30 @@ def trainer_policy(spec: str, mode: str) -> tuple[torch.nn.Module, Adapters | No
     return adapters.model, adapters
 
 
-def sync_payload(spec: str, mode: str) -> tuple[Weights, int]:
-    """What the trainer's `_sync_weights` sends in one process, and its bytes."""
+def sync_source(spec: str, mode: str) -> tuple[WeightsSource, int]:
+    """What the trainer syncs in one process, and the bytes of one sync."""
     policy, adapters = trainer_policy(spec, mode)
-    if adapters is not None:
-        weights = adapters.weights()
-        return weights, weights.nbytes
-    tied = tied_duplicates(policy)
-    state = {name: value for name, value in policy.state_dict().items() if name not in tied}
-    return state, sum(tensor_bytes(state).values())
+    source = weights_source(
+        policy,
+        adapters=adapters,
+        distributed=None,
+        tied_names=tied_duplicates(policy),
+        bucket_bytes=1 << 30,
+        compute_dtype=torch.float32,
+    )
+    payload = source.payload()
+    payload.drain()
+    return source, payload.nbytes
 
 
-def timed_syncs(receiver: InferenceInterface, weights: Weights, repeats: int) -> list[float]:
-    """Sync `weights` to `receiver` once untimed, then `repeats` times timed (seconds each)."""
-    receiver.update_weights(weights, 1, reset=True)
+def timed_syncs(receiver: InferenceInterface, source: WeightsSource, repeats: int) -> list[float]:
+    """Sync `source`'s weights to `receiver` once untimed, then `repeats` times timed (seconds each)."""
+    transport = receiver.weight_transport(source.kind)
+    transport.send(source.payload(), 1, reset=True)
     times = []
     for version in range(2, repeats + 2):
         started = time.perf_counter()
-        receiver.update_weights(weights, version, reset=True)
+        transport.send(source.payload(), version, reset=True)
         times.append(time.perf_counter() - started)
     return times
 
@@ -89,17 +95,17 @@ def bench_sync(spec: str, scratch: Path, repeats: int) -> list[tuple[str, str, i
     """(mode, receiver, bytes, seconds of each timed sync) for both modes and every receiver."""
     rows = []
     for mode in MODES:
-        weights, nbytes = sync_payload(spec, mode)
+        source, nbytes = sync_source(spec, mode)
         served, tokenizer = load_model(spec)
         engine = LocalEngine(served, tokenizer, owns_model=True)
-        rows.append((mode, "embedded engine", nbytes, timed_syncs(engine, weights, repeats)))
+        rows.append((mode, "embedded engine", nbytes, timed_syncs(engine, source, repeats)))
         del engine, served
         weights_dir = scratch / f"weights-{mode}"
         weights_dir.mkdir()
         with inference_server(spec, weights_dir) as base_url:
             for how, folder in (("file", weights_dir), ("stream", None)):
                 client = OpenAIInterface(base_url, weights_dir=folder)
-                rows.append((mode, f"llmrl server ({how})", nbytes, timed_syncs(client, weights, repeats)))
+                rows.append((mode, f"llmrl server ({how})", nbytes, timed_syncs(client, source, repeats)))
     return rows
 
 

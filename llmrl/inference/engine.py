@@ -302,9 +302,9 @@ class LocalEngine(InferenceInterface):
     # one step, yields, and ends when there is no work left (the next request starts a new one).
     # Why not a background thread: torch's OpenMP runtime gives each thread that runs parallel
     # ops its own thread pool, and with more pool threads than cores it stops spin-waiting
-    # between ops; a decode step is ~100 small ops, so on 2 cores the same steps took about twice
-    # as long from a second thread as from the main thread (tiny model, 2 torch threads), which
-    # made the engine slower than `generate`. Steps block their loop for one step at a time.
+    # between ops; a decode step is many small ops, so on few cores the same steps run much slower
+    # from a second thread than from the main thread (docs/benchmarks.md), which would make the
+    # engine slower than `generate`. Steps block their loop for one step at a time.
     # A thread is only the fallback when that loop closes with work left for other callers
     # (`generate` from several threads, each in its own `asyncio.run`).
 

@@ -35,10 +35,9 @@ from llmrl.inference.openai import (
 from llmrl.inference.vllm.adapters import AdapterTransport
 from llmrl.inference.vllm.compatibility import check_trainable
 from llmrl.inference.vllm.routes import ControlSettings, VLLMRoutes
-from llmrl.inference.vllm.server import VLLMServer, served_model_path, server_devices, temporary_folder
+from llmrl.inference.vllm.server import VLLMServer, start_servers, temporary_folder
 from llmrl.inference.vllm.transports import BroadcastTransport, BucketTransport, Recover, VLLMTransport
 from llmrl.models import load_tokenizer
-from llmrl.processes import free_port
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import Manifest, PayloadKind, WeightTransport, transport_for
 
@@ -168,27 +167,9 @@ class VLLMInterface(InferenceInterface):
             urls = config.base_url if isinstance(config.base_url, list) else [config.base_url]
             return cls(urls, weights_dir=config.weights_dir, **common)
         folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
-        served = served_model_path(model, folder / "model")
         weights_dir = config.weights_dir or (str(folder / "weights") if vllm.transport == "disk" else None)
-        servers = []
+        servers = start_servers(model, vllm, folder, seed=seed, lora_rank=lora_rank)
         try:
-            for index in range(vllm.num_servers):
-                port = vllm.port + index if vllm.port else free_port(vllm.host)
-                devices = server_devices(index, vllm.tensor_parallel_size)
-                server = VLLMServer(
-                    model=served,
-                    dtype=model.dtype,
-                    config=vllm,
-                    port=port,
-                    seed=seed,
-                    log_path=folder / f"server-{index}.log",
-                    devices=devices,
-                    lora_rank=lora_rank,
-                )
-                servers.append(server)
-                server.spawn()
-            for server in servers:  # they start side by side
-                server.wait_ready()
             return cls([s.base_url for s in servers], servers=servers, weights_dir=weights_dir, **common)
         except BaseException:
             for server in servers:
@@ -271,10 +252,10 @@ class VLLMInterface(InferenceInterface):
 
     # -- recovery --------------------------------------------------------------------------------
 
-    def _recover(self, index: int, why: str, give: Callable[[], Any] | None = None) -> bool:
+    def _recover(self, index: int, why: str, give: Callable[[], str] | None = None) -> bool:
         """Make managed server `index`, which failed, serve again: restart it when it no longer
         answers, then `give` it what it failed to take (a sync; a healthy server is given it again)
-        or, after a restart without one, the last good weights (`VLLMTransport.restarted`). Returns
+        or, after a restart without one, the last good weights (`VLLMTransport.restore`). Returns
         whether it serves (False for external servers and spent restarts)."""
         endpoint = self._endpoints[index]
         server = endpoint.server
@@ -291,10 +272,9 @@ class VLLMInterface(InferenceInterface):
                 endpoint.restarts += 1
                 server.stop()
                 server.start()
-            if give is not None:
-                give()
+                self.transport.forget(index)
+            given = give() if give is not None else self.transport.restore(index) if restart else ""
             if restart:
-                given = self.transport.restarted(index) if give is None else "the weights it failed to take"
                 log.warning(
                     "vLLM server %d at %s restarted (restart %d of %d): %s, %s; given %s",
                     index,

@@ -18,6 +18,7 @@ import torch
 
 from llmrl.config import VLLM_LORA_RANKS, ConfigError, ModelConfig, VLLMConfig
 from llmrl.inference.vllm.processes import die_with_parent, forget, kill_session_leftovers, stop_at_exit
+from llmrl.processes import free_port
 from llmrl.weights import TRANSFER_BACKEND
 
 EXTENSION_CLASS = "llmrl.weights.vllm_worker.LlmrlWorkerExtension"
@@ -249,6 +250,36 @@ class VLLMServer:
         except OSError:
             return ""
         return f" (log: {self.log_path}); its last lines:\n" + "\n".join(lines)
+
+
+def start_servers(
+    model: ModelConfig, config: VLLMConfig, folder: Path, *, seed: int, lora_rank: int | None
+) -> list[VLLMServer]:
+    """`config.num_servers` managed servers of `model`, started side by side and ready, logging to
+    `folder`; none is left running when one fails to start."""
+    served = served_model_path(model, folder / "model")
+    servers: list[VLLMServer] = []
+    try:
+        for index in range(config.num_servers):
+            server = VLLMServer(
+                model=served,
+                dtype=model.dtype,
+                config=config,
+                port=config.port + index if config.port else free_port(config.host),
+                seed=seed,
+                log_path=folder / f"server-{index}.log",
+                devices=server_devices(index, config.tensor_parallel_size),
+                lora_rank=lora_rank,
+            )
+            servers.append(server)
+            server.spawn()
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return servers
 
 
 def server_devices(index: int, tensor_parallel_size: int) -> str | None:

@@ -11,7 +11,7 @@ the gate that holds new requests back during a sync, and (adapters) the adapter 
 The interface asks it at every request (`admit`, `release`). Everything sent is checked first,
 against the tensor manifest of each served checkpoint. A server that fails a sync is handed to the
 interface's `Recover` (which restarts it if it no longer answers) and given the same version again;
-a restarted server is given the last good version through the same transport (`restarted`).
+a restarted server is given the last good version through the same transport (`restore`).
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ Served = TypeVar("Served")
 
 class Recover(Protocol):
     """The interface's way to make a failed server serve again: restart it if it no longer answers,
-    then call `give` (or, after a restart without one, the transport's `restarted`). Returns whether
-    it serves (False for external servers and spent restarts)."""
+    then call `give`, which says what it gave (or, after a restart without one, the transport's
+    `restore`). Returns whether it serves (False for external servers and spent restarts)."""
 
-    def __call__(self, index: int, why: str, give: Callable[[], Any] | None = None) -> bool: ...
+    def __call__(self, index: int, why: str, give: Callable[[], str] | None = None) -> bool: ...
 
 
 @dataclass
@@ -150,8 +150,9 @@ class VLLMTransport(WeightTransport[PayloadT], Generic[PayloadT, Served]):
             if not isinstance(error, BaseException):
                 continue
 
-            def give(index: int = index) -> None:
+            def give(index: int = index) -> str:
                 run_in_new_loop(self.serve(index, served, version))
+                return f"weights version {version}"
 
             why = f"a weight sync failed ({error})"
             if not await asyncio.to_thread(self.recover, index, why, give):
@@ -159,9 +160,12 @@ class VLLMTransport(WeightTransport[PayloadT], Generic[PayloadT, Served]):
                     raise error
                 raise WeightSyncError(f"weight sync to vLLM at {self.routes[index].url} failed: {error}")
 
-    def restarted(self, index: int) -> str:
-        """Give restarted server `index` the last good version; says what it was given."""
+    def forget(self, index: int) -> None:
+        """Server `index` was restarted: it serves nothing it was given."""
         self.states[index] = ServingState(open=self.states[index].open)
+
+    def restore(self, index: int) -> str:
+        """Give server `index` the last good version; says what it was given."""
         if self.last_good is None:
             return "its own weights (none synced yet)"
         version, served = self.last_good
