@@ -699,7 +699,8 @@ def study_models(out: Path, second_seed: int | None) -> list[tuple[str, str]]:
     import dataclasses
 
     from llmrl.models import tiny_model_path
-    from llmrl.models.tiny import TinyRecipe, build_tiny_model
+    from llmrl.models.tiny import TinyRecipe
+    from llmrl.models.tiny_build import build_tiny_model
 
     models = [("tiny://arithmetic", str(tiny_model_path("arithmetic")))]
     if second_seed is not None:

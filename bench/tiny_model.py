@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from llmrl.models import TINY_MODELS, build_tiny_model, load_model
-from llmrl.models.tiny import evaluate_accuracy
+from llmrl.models import TINY_MODELS, load_model
+from llmrl.models.tiny_build import build_tiny_model, evaluate_accuracy
 from llmrl.rewards.arithmetic import sample_problems
 
 

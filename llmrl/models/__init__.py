@@ -1,12 +1,8 @@
 """Models: `load_model(spec) -> (model, tokenizer)` for ``tiny://...``, local folders and hub ids.
 
-`tiny.py` builds the default model (`tiny://arithmetic`), which ships in `shipped/` (docs/models.md).
-Its names are re-exported lazily, so that `python -m llmrl.models.tiny` does not find the module
-already imported by this package (runpy warns about that, and would run the module twice).
+`tiny.py` holds the default model's recipe and checks its build (`tiny://arithmetic`), which ships in
+`shipped/`; `tiny_build.py` builds it (docs/models.md).
 """
-
-import importlib
-from typing import Any
 
 from llmrl.models.loading import (
     ModelSpecError,
@@ -16,21 +12,16 @@ from llmrl.models.loading import (
     load_tokenizer,
     resolve_model_spec,
 )
-
-_TINY_EXPORTS = ("TINY_MODELS", "TinyRecipe", "build_tiny_model", "tiny_model_path")
+from llmrl.models.tiny import TINY_MODELS, TinyRecipe, tiny_model_path
 
 __all__ = [
+    "TINY_MODELS",
     "ModelSpecError",
+    "TinyRecipe",
     "check_supported",
     "export_model",
     "load_model",
     "load_tokenizer",
     "resolve_model_spec",
-    *_TINY_EXPORTS,
+    "tiny_model_path",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TINY_EXPORTS:
-        return getattr(importlib.import_module("llmrl.models.tiny"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from llmrl.errors import ModelSpecError, UserError
+from llmrl.models.tiny import TINY_MODELS, tiny_model_path
 
 TINY_SCHEME = "tiny://"
 DTYPES: dict[str, torch.dtype] = {
@@ -41,8 +42,6 @@ def _is_plausible_hub_id(spec: str) -> bool:
 
 def resolve_model_spec(spec: str) -> str:
     """The folder or hub id that `spec` names (a tiny model's shipped folder, its checksums verified)."""
-    from llmrl.models.tiny import TINY_MODELS, tiny_model_path  # here: see llmrl/models/__init__.py
-
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"model spec must be a non-empty string, got {spec!r}")
     if spec.startswith(TINY_SCHEME):

@@ -1,7 +1,7 @@
 """The arithmetic task: seeded problem streams, their split, chat prompts and the exact-answer reward.
 
 The `arithmetic` environment serves it (`llmrl.envs.arithmetic`), and the tiny model is warmed up on
-it (`llmrl.models.tiny`), which is why the problems live here with their reward and not in the
+it (`llmrl.models.tiny_build`), which is why the problems live here with their reward and not in the
 environment: models sit below environments.
 
 Problems are `a op b` with operands of exactly `digits` digits (0-9 when `digits` is 1). Every

@@ -76,7 +76,8 @@ def test_bad_arguments(kwargs, message):
 @pytest.mark.slow
 def test_rollouts_from_the_embedded_engine_carry_its_exact_tokens():
     from llmrl.inference.engine import LocalEngine
-    from llmrl.models.tiny import TinyRecipe, build_tokenizer, build_untrained_model
+    from llmrl.models.tiny import TinyRecipe
+    from llmrl.models.tiny_build import build_tokenizer, build_untrained_model
 
     recipe = TinyRecipe()
     tokenizer = build_tokenizer(recipe)

@@ -1,4 +1,5 @@
-"""The embedded tiny model (llmrl/models/tiny.py) and `load_model` (llmrl/models/loading.py)."""
+"""The embedded tiny model (llmrl/models/tiny.py, its build llmrl/models/tiny_build.py) and `load_model`
+(llmrl/models/loading.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmrl.models import TINY_MODELS, ModelSpecError, export_model, load_model, resolve_model_spec, tiny
-from llmrl.models.tiny import (
-    BUILD_INFO,
-    CHECKSUMS,
-    IM_END,
-    PAD_TOKEN,
-    TinyRecipe,
-    build_tiny_model,
-    tiny_model_path,
+from llmrl.models import (
+    TINY_MODELS,
+    ModelSpecError,
+    export_model,
+    load_model,
+    resolve_model_spec,
+    tiny,
+    tiny_build,
 )
+from llmrl.models.tiny import BUILD_INFO, CHECKSUMS, TinyRecipe, tiny_model_path
+from llmrl.models.tiny_build import IM_END, PAD_TOKEN, build_tiny_model
 from llmrl.rewards.arithmetic import ArithmeticProblem, prompt_messages, sample_problems
 
 # A recipe that builds in about a second: same tokenizer and code path, a toy network and 3 steps.
@@ -97,7 +99,7 @@ def test_build_info_records_the_run(micro_build):
 
 def test_warmup_stops_at_the_first_check_that_reaches_the_target(micro_build):
     model, tokenizer = load_model(str(micro_build[0]))
-    checks = tiny.train_warmup(
+    checks = tiny_build.train_warmup(
         model, tokenizer, dataclasses.replace(MICRO, target_accuracy=0.0, max_steps=50)
     )
     assert [c["step"] for c in checks] == [MICRO.check_every]
@@ -115,7 +117,7 @@ def test_recipe_id_changes_with_the_recipe():
 def test_the_shipped_build_is_of_the_current_recipe_and_complete():
     path = tiny_model_path("arithmetic")
     assert path == tiny.SHIPPED_ROOT / "arithmetic"
-    listed = set(tiny._read_checksums(path))
+    listed = set(tiny.read_checksums(path))
     assert {"model.safetensors", "tokenizer.json", "config.json", BUILD_INFO} <= listed
     assert listed == {p.name for p in path.iterdir()} - {CHECKSUMS}
     info = json.loads((path / BUILD_INFO).read_text())
@@ -153,31 +155,31 @@ def test_a_changed_or_missing_file_is_refused_by_name(shipped_micro):
 
 def test_a_changed_recipe_asks_for_a_rebuild(shipped_micro, monkeypatch):
     monkeypatch.setitem(TINY_MODELS, "micro", dataclasses.replace(MICRO, max_steps=4))
-    with pytest.raises(ModelSpecError, match=r"python -m llmrl.models.tiny micro --rebuild --replace"):
+    with pytest.raises(ModelSpecError, match=r"python -m llmrl.models.tiny_build micro --rebuild --replace"):
         load_model("tiny://micro")
 
 
 def test_differences_name_the_recipe_weights_and_tokenizer(micro_build, tmp_path):
     other = dataclasses.replace(MICRO, seed=1)
     build_tiny_model(tmp_path, other)
-    lines = tiny.describe_differences(micro_build[0], tmp_path)
+    lines = tiny_build.describe_differences(micro_build[0], tmp_path)
     assert "recipe.seed: 0 -> 1" in lines
     weights = next(line for line in lines if line.startswith("model.safetensors"))
     assert re.search(r"\d+ of \d+ tensors differ; largest difference [\d.e-]+ in model\.", weights), weights
     assert any(line.startswith("tokenizer.json: ") for line in lines), lines
-    assert tiny.describe_differences(micro_build[0], micro_build[0]) == []
+    assert tiny_build.describe_differences(micro_build[0], micro_build[0]) == []
 
 
 @pytest.mark.cross_cpu
 def test_rebuild_compares_and_replace_ships_the_new_build(shipped_micro, monkeypatch, capsys):
     argv = ["micro", "--problems", "4"]
-    assert tiny.main([*argv, "--rebuild"]) == 0  # the same recipe on the same machine: the same bytes
+    assert tiny_build.main([*argv, "--rebuild"]) == 0  # the same recipe on the same machine: the same bytes
     assert "byte for byte the shipped one" in capsys.readouterr().out
     monkeypatch.setitem(TINY_MODELS, "micro", dataclasses.replace(MICRO, max_steps=4))
-    assert tiny.main([*argv, "--rebuild"]) == 1
+    assert tiny_build.main([*argv, "--rebuild"]) == 1
     out = capsys.readouterr().out
     assert "recipe.max_steps: 3 -> 4" in out and "model.safetensors: " in out
-    assert tiny.main([*argv, "--rebuild", "--replace"]) == 0
+    assert tiny_build.main([*argv, "--rebuild", "--replace"]) == 0
     assert "shipped the new build" in capsys.readouterr().out
     assert json.loads((tiny_model_path("micro") / BUILD_INFO).read_text())["recipe"]["max_steps"] == 4
     assert sorted(p.name for p in shipped_micro.parent.iterdir()) == ["micro"]  # no staging left behind
