@@ -129,6 +129,11 @@ class VLLMConfig(Section):
     new version beside those requests still use). None: training.generation_lag + 2, filled in at load: the
     versions the lag lets requests run on (lag + 1), and the one being loaded."""
 
+    def resolved_max_loras(self, generation_lag: int) -> int:
+        """`max_loras`, or when it is unset the adapter versions a run generating `generation_lag` steps
+        ahead needs at once: those requests may still run on (lag + 1), and the one being loaded."""
+        return self.max_loras if self.max_loras is not None else generation_lag + 2
+
 
 class InferenceConfig(Section):
     type: str = "local"
@@ -436,8 +441,7 @@ class RunConfig(Section):
                 raise ValueError(
                     f"model.lora.rank: {self.model.lora.rank} is more than vLLM serves ({VLLM_LORA_RANKS[-1]})"
                 )
-            if self.inference.vllm.max_loras is None:
-                self.inference.vllm.max_loras = training.generation_lag + 2
+            self.inference.vllm.max_loras = self.inference.vllm.resolved_max_loras(training.generation_lag)
         if training.mini_batches > training.prompts_per_step * training.group_size:
             raise ValueError(
                 f"training.mini_batches: {training.mini_batches} is more than the "
