@@ -1,0 +1,164 @@
+"""The models a run trains with, loaded the way its mode needs: the policy (full weights or LoRA
+adapters over a frozen base, in one process or sharded over several), its tokenizer and the KL
+reference; and the memory plan checked before any of them loads.
+
+Loading knows the mode so that the trainer does not: one process loads the model itself, several
+receive their shards of the model rank 0 loads (`Distributed.load_model`); a LoRA run wraps the base
+in `Adapters` before it is sharded; a resumed run starts from its checkpoint's weights (the model
+folder and, in one process, its master weights; a LoRA run's adapter folder; a multi-process run's
+shards are restored with the optimizer, `llmrl.trainer.checkpointer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmrl.config import RunConfig
+from llmrl.models import load_model
+from llmrl.models.loading import DTYPES, enable_activation_checkpointing
+from llmrl.trainer import checkpoint as ckpt
+from llmrl.trainer.distributed import Distributed, tied_duplicates
+from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
+from llmrl.trainer.memory import LoraSizes, MemoryPlan, MemorySettings, plan_memory
+
+
+@dataclasses.dataclass
+class PolicyModels:
+    """The policy and what comes with it."""
+
+    policy: torch.nn.Module
+    """What trains: it holds the master weights, or the float32 adapters over the frozen base."""
+    tokenizer: Any
+    compute_dtype: torch.dtype
+    """The dtype of the forward and backward passes (`model.dtype`) and of the weights served and saved."""
+    adapters: Adapters | None
+    """LoRA runs only."""
+    reference: torch.nn.Module | None
+    """The KL reference as a model of its own; None with LoRA (the policy with its adapters off is)."""
+    reference_context: Callable[[], contextlib.AbstractContextManager[None]] | None
+    """With LoRA and a KL penalty: inside it the policy is the reference."""
+    tied_names: set[str]
+    """State-dict names aliasing another entry (tied embeddings): sent and saved once, under the first name."""
+
+    def untied_state_dict(self) -> dict[str, torch.Tensor]:
+        """One process's policy weights, each tensor once."""
+        return {
+            name: value for name, value in self.policy.state_dict().items() if name not in self.tied_names
+        }
+
+
+class _Loader:
+    """`load_model` in one process; over several, each rank's shards of the model rank 0 loads."""
+
+    def __init__(self, config: RunConfig, device: str, distributed: Distributed | None):
+        self.distributed = distributed
+        self.options = {
+            "device": device,
+            "attn_implementation": config.model.attn_implementation,
+            "trust_remote_code": config.model.trust_remote_code,
+        }
+
+    def __call__(
+        self,
+        spec: str,
+        dtype: str,
+        compute_dtype: torch.dtype | None = None,
+        prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    ) -> tuple[Any, Any]:
+        if self.distributed is None:
+            model, tokenizer = load_model(spec, dtype=dtype, **self.options)
+            return prepare(model) if prepare else model, tokenizer
+        return self.distributed.load_model(
+            spec, dtype=dtype, compute_dtype=compute_dtype, prepare=prepare, **self.options
+        )
+
+
+def load_policy(
+    config: RunConfig, device: str, distributed: Distributed | None, checkpoint: Path | None
+) -> PolicyModels:
+    """The policy of `config`, from `checkpoint` when the run resumes, and its KL reference."""
+    load = _Loader(config, device, distributed)
+    compute_dtype = DTYPES[config.model.dtype]
+    if config.model.lora is None:
+        policy, tokenizer = load(
+            str(checkpoint / "model") if checkpoint else config.model.spec,
+            config.training.master_dtype,
+            compute_dtype if config.model.dtype != config.training.master_dtype else None,
+        )
+        if checkpoint and distributed is None:
+            ckpt.load_master_weights(checkpoint, policy)
+        adapters = None
+    else:
+        policy, tokenizer, adapters = _load_with_adapters(load, config, compute_dtype, checkpoint)
+    if config.training.activation_checkpointing:
+        enable_activation_checkpointing(policy)
+    policy.train()
+    reference = None
+    kl = config.algorithm.kl_beta > 0
+    # Loaded once, never per step; no master copy: it never changes. With LoRA: the policy, adapters off.
+    if kl and adapters is None:
+        reference, _ = load(config.model.spec, config.model.dtype)
+        reference.eval().requires_grad_(False)
+    return PolicyModels(
+        policy,
+        tokenizer,
+        compute_dtype,
+        adapters,
+        reference,
+        adapters.disabled if adapters is not None and kl else None,
+        tied_duplicates(policy),
+    )
+
+
+def _load_with_adapters(
+    load: _Loader, config: RunConfig, compute_dtype: torch.dtype, checkpoint: Path | None
+) -> tuple[torch.nn.Module, Any, Adapters]:
+    """The frozen base in the compute dtype, float32 adapters over it."""
+    lora = config.model.lora
+    assert lora is not None
+    built: list[Adapters] = []
+
+    def with_adapters(base: torch.nn.Module) -> torch.nn.Module:
+        # Over several processes the meta-built model's adapters are built last and kept: they are
+        # the ones sharded; rank 0's loaded ones reach them with the base weights.
+        adapters = Adapters(base, lora)
+        built.append(adapters)
+        if checkpoint and not next(base.parameters()).is_meta:
+            adapters.load(checkpoint / ADAPTER_FOLDER)
+        return adapters.model
+
+    # Sharded units cast the float32 adapters to the compute dtype for the passes, as one process's
+    # autocast does.
+    adapters_cast = compute_dtype if compute_dtype != torch.float32 else None
+    policy, tokenizer = load(config.model.spec, config.model.dtype, adapters_cast, prepare=with_adapters)
+    return policy, tokenizer, built[-1]
+
+
+def plan_training_memory(config: RunConfig, device: str, distributed: Distributed | None) -> MemoryPlan:
+    """What training `config` will hold in memory on each process, from the model's shapes alone."""
+    settings = MemorySettings(
+        master_dtype=DTYPES[config.training.master_dtype],
+        compute_dtype=DTYPES[config.model.dtype],
+        world_size=1 if distributed is None else distributed.world_size,
+        micro_batch_tokens=config.training.micro_batch_tokens,
+        row_tokens=config.training.pack_row_tokens,
+        activation_checkpointing=config.training.activation_checkpointing,
+        reference_model=config.algorithm.kl_beta > 0 and config.model.lora is None,
+        engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
+    )
+
+    def shapes() -> torch.nn.Module:
+        model, _ = load_model(
+            config.model.spec, device="meta", trust_remote_code=config.model.trust_remote_code
+        )
+        return model
+
+    if config.model.lora is not None:
+        settings = dataclasses.replace(settings, lora=LoraSizes(*adapter_sizes(shapes(), config.model.lora)))
+    return plan_memory(shapes(), settings, device)
