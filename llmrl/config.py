@@ -149,8 +149,8 @@ class InferenceConfig(Section):
     counts once)."""
     max_concurrent: int = Field(64, ge=1)
     """Most sequences decoded at once by the embedded engine or in flight to a server. More rows per decode
-    step use the cores better (the demo runs 256: training 25-37% faster per step on 2 CPU cores than with
-    64), but the engine's KV cache holds rows x the longest row, so its memory grows in proportion."""
+    step use the cores better (the demo runs 256), but the engine's KV cache holds rows x the longest row,
+    so its memory grows in proportion."""
     request_timeout_s: float = Field(120.0, gt=0)
     """Per-request timeout for remote inference."""
     weights_dir: str | None = None
@@ -327,8 +327,7 @@ class TrainingConfig(Section):
     halves that memory at this cost. Either float32 or the same as `model.dtype`."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations during the backward pass instead of keeping them: same loss
-    and gradients, less memory (docs/training.md has the measured ratio), about one more forward pass of
-    time."""
+    and gradients, less memory, for about one more forward pass of time (docs/training.md)."""
     tf32: bool = True
     """Let CUDA float32 matmuls and convolutions use TF32 tensor cores (about 10 mantissa bits in the
     products); no effect on CPU."""

@@ -44,7 +44,8 @@ class TinyRecipe:
     check_every: int = 10
     """Warm-up steps between validation checks while accuracy is below half the target."""
     check_every_near_target: int = 2
-    """Steps between checks from half the target on, where accuracy can gain 10% in 10 steps."""
+    """Steps between checks from half the target on, where accuracy climbs fast enough for coarser checks
+    to overshoot the target."""
     validation_problems: int = 256
     """Train-split problems held back from the warm-up to steer it."""
     batch_size: int = 32
@@ -61,7 +62,7 @@ class TinyRecipe:
     """torch threads during the build: fixed, because CPU matmul reduction order depends on it.
 
     One, because the matmuls are small: a second thread gains little on an idle machine and, on
-    a shared one, makes every op wait for a descheduled thread (we measured 10-25x slower steps).
+    a shared one, makes every op wait for a descheduled thread.
     """
 
     @property

@@ -1,7 +1,7 @@
 """The build of the embedded default model, `tiny://arithmetic`, and the command that rebuilds it.
 
 No model hub is reachable where llmrl is developed and tested, so the built-in tasks get a model
-made from nothing, seeded and deterministic, in about a minute on one CPU core:
+made from nothing, seeded and deterministic, on one CPU core:
 
 1. Tokenizer: byte-level BPE (any text encodes; digits are split one per token so numbers are
    spelled digit by digit) trained with the `tokenizers` library on a generated corpus of
@@ -292,11 +292,11 @@ def train_warmup(
     Every `check_every` steps (`check_every_near_target` once past half the target) the expected
     sampled accuracy on validation problems (train split, kept out of the warm-up stream) is
     measured; the warm-up stops at the first check at or above `target_accuracy`, or after
-    `max_steps`. Why a measurement and not a fixed step count: the
-    accuracy idles at a few percent for hundreds of steps, then climbs from 10% to 60% within
-    about 150 (once the model starts adding digit by digit), and where that climb starts moves
-    with the seed and with the floating-point rounding of the CPU; a step count tuned on one
-    machine could overshoot or stop short on another. Returns the checks: step, mean loss since
+    `max_steps`. Why a measurement and not a fixed step count: the accuracy idles at a few
+    percent for a long time, then climbs steeply once the model starts adding digit by digit
+    (docs/models.md), and where that climb starts moves with the seed and with the
+    floating-point rounding of the CPU; a step count tuned on one machine could overshoot or stop
+    short on another. Returns the checks: step, mean loss since
     the previous check, expected accuracy.
     """
     validation = sample_problems(
