@@ -30,6 +30,9 @@ newest `keep_last` checkpoints are kept.
 A run folder's latest checkpoint is continued by a config that differs from the saved one only in
 `RESUMABLE_CHANGES` (`checkpoint_to_resume`; ``--resume`` accepts any change); a run that starts at
 step 0 clears the outputs an earlier, never-checkpointed attempt left (`clear_run_outputs`).
+
+These are the files and the functions that write and read them; which of them a run calls, and on
+which rank, is `llmrl.trainer.checkpointer`'s choice.
 """
 
 from __future__ import annotations

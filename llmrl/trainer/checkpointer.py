@@ -24,10 +24,6 @@ from llmrl.trainer.distributed import Distributed
 from llmrl.trainer.lora import ADAPTER_FOLDER
 from llmrl.trainer.policy import PolicyModels
 
-TrainerState = Callable[[], dict[str, Any]]
-"""The loop's own state for a checkpoint (step, evaluations, agents' cursors), asked for only on the
-rank that writes it."""
-
 
 class Checkpointer(ABC):
     """Saves the checkpoint of a step and restores one, for one mode."""
@@ -53,8 +49,11 @@ class Checkpointer(ABC):
         return (every > 0 and step % every == 0) or step == last_step
 
     @abstractmethod
-    def save(self, step: int, trainer_state: TrainerState) -> None:
-        """Write the checkpoint of `step`; every rank calls it, and returns once it is in place."""
+    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+        """Write the checkpoint of `step`; every rank calls it, and returns once it is in place.
+
+        `trainer_state` gives the loop's own state (step, evaluations, the agents' cursors); it is
+        called on the rank that writes the checkpoint alone."""
 
     def restore(self, folder: Path) -> dict[str, Any]:
         """Put the RNG states and the optimizer (and a sharded checkpoint's weights) of `folder` back;
@@ -66,7 +65,9 @@ class Checkpointer(ABC):
         ckpt.load_optimizer(folder, state, self.models.policy, self.optimizer, sharded_model=sharded_model)
         return state
 
-    def _run_state(self, trainer_state: TrainerState, optimizer: dict[str, Any]) -> dict[str, Any]:
+    def _run_state(
+        self, trainer_state: Callable[[], dict[str, Any]], optimizer: dict[str, Any]
+    ) -> dict[str, Any]:
         return trainer_state() | {"rng": ckpt.rng_state()} | optimizer
 
     def _finish(self, step: int, temp: Path) -> None:
@@ -76,7 +77,7 @@ class Checkpointer(ABC):
 class FullCheckpointer(Checkpointer):
     """One process: the model folder (and master weights of another dtype), the optimizer in the state."""
 
-    def save(self, step: int, trainer_state: TrainerState) -> None:
+    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         optimizer = (
             {"optimizer": self.optimizer.state_dict()} if self.config.checkpoint.save_optimizer else {}
         )
@@ -97,7 +98,7 @@ class ShardedCheckpointer(Checkpointer):
     """Several processes, every weight trained: every rank writes its shards of the model and
     optimizer; rank 0 writes the Hugging Face folder (gathered weights), the rest, and renames."""
 
-    def save(self, step: int, trainer_state: TrainerState) -> None:
+    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         distributed, models = self.distributed, self.models
         assert distributed is not None
         weights: dict[
@@ -135,7 +136,7 @@ class AdapterCheckpointer(Checkpointer):
     """A LoRA run, the same from any number of processes: the adapters alone (the base is `model.spec`)
     and their optimizer state, gathered whole on every rank (small), written by rank 0."""
 
-    def save(self, step: int, trainer_state: TrainerState) -> None:
+    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         adapters = self.models.adapters
         assert adapters is not None
         weights = adapters.weights()

@@ -30,7 +30,7 @@ class RunOutputs:
     def __init__(self, config: RunConfig):
         self.config = config
         self.run_dir = Path(config.run_dir)
-        self.progress = config.logging.progress
+        self.progress_mode = config.logging.progress
         """The progress display's mode."""
         self.tracer: Tracer
 
@@ -97,7 +97,7 @@ class SilentOutputs(RunOutputs):
 
     def __init__(self, config: RunConfig):
         super().__init__(config)
-        self.progress = "off"
+        self.progress_mode = "off"
 
     def clear(self) -> None:
         pass

@@ -106,13 +106,13 @@ def load_policy(
         reference, _ = load(config.model.spec, config.model.dtype)
         reference.eval().requires_grad_(False)
     return PolicyModels(
-        policy,
-        tokenizer,
-        compute_dtype,
-        adapters,
-        reference,
-        adapters.disabled if adapters is not None and kl else None,
-        tied_duplicates(policy),
+        policy=policy,
+        tokenizer=tokenizer,
+        compute_dtype=compute_dtype,
+        adapters=adapters,
+        reference=reference,
+        reference_context=adapters.disabled if adapters is not None and kl else None,
+        tied_names=tied_duplicates(policy),
     )
 
 

@@ -218,7 +218,7 @@ class Trainer:
             ProgressDisplay(
                 steps,
                 start_step=min(self.step, steps),
-                mode=self.outputs.progress,
+                mode=self.outputs.progress_mode,
                 stream=self.progress_stream,
             )
         )
