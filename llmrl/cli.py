@@ -68,7 +68,7 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
 
     import_plugins(config.plugins)
     agents = build_agents(config.environments, config.seed, model_spec=config.model.spec)
-    inference = build_inference(config.inference, config.model, seed=config.seed)
+    inference = build_inference(config.inference_for_run(), config.model, seed=config.seed)
     try:
         summary = run_sync(
             evaluate_environments(agents, inference, config.evaluation, config.inference.generation)

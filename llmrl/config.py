@@ -126,8 +126,8 @@ class VLLMConfig(Section):
     before the run stops."""
     max_loras: int | None = Field(None, ge=1)
     """With `model.lora`: adapter versions a server runs in one batch (vLLM's --max-loras; each sync loads a
-    new version beside those requests still use). None: training.generation_lag + 2, filled in at load: the
-    versions the lag lets requests run on (lag + 1), and the one being loaded."""
+    new version beside those requests still use). None: training.generation_lag + 2, resolved when the run
+    builds its inference: the versions the lag lets requests run on (lag + 1), and the one being loaded."""
 
     def resolved_max_loras(self, generation_lag: int) -> int:
         """`max_loras`, or when it is unset the adapter versions a run generating `generation_lag` steps
@@ -440,7 +440,6 @@ class RunConfig(Section):
                 raise ValueError(
                     f"model.lora.rank: {self.model.lora.rank} is more than vLLM serves ({VLLM_LORA_RANKS[-1]})"
                 )
-            self.inference.vllm.max_loras = self.inference.vllm.resolved_max_loras(training.generation_lag)
         if training.mini_batches > training.prompts_per_step * training.group_size:
             raise ValueError(
                 f"training.mini_batches: {training.mini_batches} is more than the "
@@ -461,6 +460,15 @@ class RunConfig(Section):
                 f"({self.evaluation.samples_per_prompt}), got {too_big}"
             )
         return self
+
+    def inference_for_run(self) -> InferenceConfig:
+        """The inference section as this run builds it, with what depends on other sections resolved:
+        a LoRA run's vLLM adapter slots (`VLLMConfig.resolved_max_loras`) follow the generation lag."""
+        if self.model.lora is None or self.inference.type != "vllm":
+            return self.inference
+        slots = self.inference.vllm.resolved_max_loras(self.training.generation_lag)
+        vllm = self.inference.vllm.model_copy(update={"max_loras": slots})
+        return self.inference.model_copy(update={"vllm": vllm})
 
     def _check_trainable_sampling(self, index: int, env: EnvironmentConfig) -> None:
         """A trained environment's sampling options must be ones the trainer's logprobs can follow."""

@@ -108,7 +108,7 @@ class Trainer:
         self.update = self._policy_update()
         if self.is_main:
             self.inference = build_inference(
-                config.inference, config.model, seed=config.seed, run_dir=self.run_dir
+                config.inference_for_run(), config.model, seed=config.seed, run_dir=self.run_dir
             )
         source = weights_source(
             self.policy,

@@ -425,11 +425,12 @@ def test_managed_servers_of_adapters_get_lora_flags_and_their_routes(tmp_path):
     from llmrl.inference.vllm import VLLMServer
 
     config = load_config(None, ["inference.type=vllm", "model.lora={rank: 12}", "training.generation_lag=2"])
-    assert config.inference.vllm.max_loras == 4  # the lag's versions (3) and the one loading
+    assert config.inference_for_run().vllm.max_loras == 4  # the lag's versions (3) and the one loading
+    assert config.inference.vllm.max_loras is None  # the section as written stays as it was
     server = VLLMServer(
         model="m",
         dtype="float32",
-        config=config.inference.vllm.model_copy(update={"python": sys.executable}),
+        config=config.inference_for_run().vllm.model_copy(update={"python": sys.executable}),
         port=1,
         log_path=tmp_path / "log",
         seed=0,
