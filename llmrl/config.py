@@ -317,6 +317,12 @@ class TrainingConfig(Section):
     """Largest fraction of a batch's rollouts that may fail in inference (server unreachable, refused, timed
     out); a batch over it is neither banked nor trained on, and the run stops so that a rerun regenerates it.
     None: stop when any whole group failed in inference."""
+    max_user_failure_frac: float | None = Field(0.5, ge=0.0, lt=1.0)
+    """Largest fraction of rollouts that may fail in user code (a reward function or `reward`/`observe`
+    that raises or returns no finite number, an agent program that raises or makes no model call), averaged
+    over the last 3 steps; over it, the run stops with exit status 1 and one line naming the most frequent
+    failure, before that step trains. A step whose rollouts all failed in user code always stops the run.
+    None: only such a step does."""
     deterministic: bool = True
     """Use deterministic kernels so that the same config gives the same numbers."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
