@@ -2,10 +2,24 @@
 
 A run is described by one YAML file that maps onto `RunConfig`. Any field can be overridden from
 the command line with ``--set section.field=value`` (the value is parsed as YAML, so ``3``,
-``1e-5``, ``true`` and ``[1, 2]`` mean what they look like). Unknown keys and values of the wrong
-type are `ConfigError`s that name the dotted path of the field and the file it came from, e.g.::
+``1e-5``, ``true`` and ``[1, 2]`` mean what they look like); list items are numbered from 0,
+``--set environments.0.agent_args.digits=3`` or ``--set environments[0].agent_args.digits=3``.
+Unknown keys and values of the wrong type are `ConfigError`s that name the dotted path of the field
+and the file it came from, e.g.::
 
     training.lr: expected a number, got 'fast' (in examples/arithmetic.yaml)
+
+Relative paths of the files a run reads (`plugins`, `model.spec`,
+`inference.vllm.python`, an environment's `data_files`, `eval_data_files`, `path` and
+`chat_template`) resolve against the config file's folder when the file exists there, otherwise
+against the working directory; `load_config` writes the ones found beside the config as paths from
+the working directory. The folders a run writes, `run_dir` and `inference.weights_dir`, are always
+relative to the working directory.
+
+From Python (`llmrl.train`), a config may hold the objects themselves where a file names code or
+data: a reward function, an agent program (`rollout`), an agent class (`agent_type`), a
+`datasets.Dataset` (`dataset`, `eval_dataset`). A saved config writes each as its description
+(`describe_python_object`), which is also what a resumed run is compared by.
 
 The defaults are general starting points; the built-in demo (`DEMO_CONFIG`, llmrl/demo.yaml), what
 ``llmrl train`` runs when given no config file, holds the settings vetted on the built-in arithmetic
@@ -16,11 +30,21 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import to_jsonable_python
 
 from llmrl.errors import UserError
 from llmrl.types import GenerationArgs
@@ -30,6 +54,27 @@ log = logging.getLogger(__name__)
 
 class ConfigError(UserError):
     """A config file or override is invalid; the message names every bad field."""
+
+
+PYTHON_OBJECT_PREFIXES = ("<python object: ", "<datasets.")
+"""How the descriptions `describe_python_object` writes begin."""
+
+
+def describe_python_object(value: Any) -> str:
+    """How a saved config writes an object a config built in Python holds in place of a name: a
+    `datasets.Dataset` by its size and fingerprint (a hash of its content), anything else by its
+    ``module:qualname`` (an instance's: its class's). Two runs whose objects have the same
+    descriptions count as the same config when one resumes the other."""
+    if hasattr(value, "_fingerprint") and hasattr(value, "num_rows"):
+        return f"<datasets.{type(value).__name__}: {value.num_rows:,} rows, fingerprint {value._fingerprint}>"
+    named = value if hasattr(value, "__qualname__") else type(value)
+    instance = "" if named is value else " instance"
+    return f"<python object: {named.__module__}:{named.__qualname__}{instance}>"
+
+
+def is_python_object_description(value: Any) -> bool:
+    """Whether `value` is what `describe_python_object` writes (a saved config read back as a config)."""
+    return isinstance(value, str) and value.startswith(PYTHON_OBJECT_PREFIXES) and value.endswith(">")
 
 
 class Section(BaseModel):
@@ -193,10 +238,11 @@ class InferenceConfig(Section):
 
 
 class EnvironmentConfig(Section):
-    agent_type: str
-    """Registry name of the agent (see `llmrl.registry.agent_names()`)."""
+    agent_type: str | type
+    """Registry name of the agent (see `llmrl.registry.agent_names()`); from Python, the agent class itself."""
     agent_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the agent's constructor."""
+    """Keyword arguments for the agent's constructor (from Python they may be objects: reward functions,
+    an agent program, a `datasets.Dataset`)."""
     env_id: str | None = None
     """Name used in metrics and logs; defaults to `agent_type`."""
     weight: float = Field(1.0, ge=0.0)
@@ -206,7 +252,15 @@ class EnvironmentConfig(Section):
 
     @property
     def name(self) -> str:
-        return self.env_id or self.agent_type
+        if self.env_id:
+            return self.env_id
+        return self.agent_type if isinstance(self.agent_type, str) else self.agent_type.__name__
+
+    @field_serializer("agent_type", "agent_args", when_used="json")
+    @staticmethod
+    def _python_objects_described(value: Any) -> Any:
+        """A saved config (and a resume's comparison) names the objects a Python caller passed."""
+        return to_jsonable_python(value, fallback=describe_python_object)
 
 
 # The allowed values of the algorithm's options, declared once: the fields below and `llmrl.algorithms` use
@@ -393,11 +447,14 @@ class RunConfig(Section):
     seed: int = 0
     """Seed of every random choice in the run (sampling, problem order, initialisation)."""
     run_dir: str = "runs/demo"
-    """Folder for metrics, logs, plots and checkpoints."""
+    """Folder for metrics, logs, plots and checkpoints; a relative one is relative to the working directory
+    (not to the config file's folder)."""
     plugins: list[str] = Field(default_factory=list)
     """Python modules (or `.py` files, imported under their file name) imported before building agents, so
-    they can register their own types and provide reward functions (`module:function`). Only honoured for
-    configs read from a local file, never for one received over the network."""
+    they can register their own types and provide reward functions (`module:function`). A module name is
+    looked for beside the config file (as `NAME.py`, or a package folder `NAME/`, for a name without dots),
+    then on the import path, then in the working directory. Only honoured for configs read from a local
+    file, never for one received over the network."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -587,12 +644,16 @@ def _raise_config_error(exc: ValidationError, source: str | None, model: type[Ba
     raise ConfigError("\n".join(lines)) from None
 
 
+_LIST_INDEX = re.compile(r"\[(\d+)\]")
+"""``environments[0]``: the way errors name a list item, accepted in keys as ``environments.0``."""
+
+
 def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """Split ``a.b.c=value`` into (["a", "b", "c"], parsed YAML value)."""
+    """Split ``a.b.c=value`` into (["a", "b", "c"], parsed YAML value); ``a[0].b`` is ``a.0.b``."""
     key, sep, raw = assignment.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. training.lr=1e-5")
-    path = key.strip().split(".")
+    path = _LIST_INDEX.sub(r".\1", key.strip()).split(".")
     if any(not part for part in path):
         raise ConfigError(f"--set {assignment!r}: empty component in key {key!r}")
     try:
@@ -604,9 +665,7 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of `data` with each ``key=value`` override applied (lists indexed by number)."""
-    import copy
-
-    data = copy.deepcopy(data)
+    data = _copy_containers(data)
     for assignment in overrides:
         path, value = parse_override(assignment)
         node: Any = data
@@ -627,6 +686,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         else:
             node[last] = value
     return data
+
+
+def _copy_containers(value: Any) -> Any:
+    """A copy of the mappings and lists of `value` that shares everything else: the objects a config built
+    in Python holds (a function, a dataset) stay the objects themselves."""
+    if isinstance(value, dict):
+        return {key: _copy_containers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(item) for item in value]
+    return value
 
 
 def _list_index(part: str, node: list[Any], where: str, assignment: str) -> int:
@@ -657,6 +726,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if isinstance(data, dict):
+        data = _found_beside(data, path.parent)
     if overrides:
         if not isinstance(data, dict):
             raise ConfigError(f"<root>: expected a mapping of sections (in {source})")
@@ -665,9 +736,70 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(data, source)
 
 
+AGENT_INPUT_PATHS = ("path", "data_files", "eval_data_files", "chat_template")
+"""The `agent_args` that name files an agent reads (a hub dataset's `path` may also be a local folder)."""
+
+
+def _found_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`data` with the relative input paths that exist in `folder` (the config file's) made paths from
+    the working directory; the others stay relative to the working directory. Output folders (run_dir,
+    inference.weights_dir) are left alone."""
+    if folder.resolve() == Path.cwd().resolve():
+        return data
+
+    def located(value: Any) -> Any:
+        if isinstance(value, list):
+            return [located(item) for item in value]
+        if isinstance(value, str) and value and not Path(value).is_absolute() and (folder / value).exists():
+            return str(folder / value)
+        return value
+
+    def located_plugin(entry: Any) -> Any:
+        if not isinstance(entry, str) or entry.endswith(".py") or not entry.isidentifier():
+            return located(entry)
+        for candidate in (folder / f"{entry}.py", folder / entry / "__init__.py"):
+            if candidate.is_file():
+                return str(candidate)
+        return entry
+
+    data = _copy_containers(data)
+    if isinstance(data.get("plugins"), list):
+        data["plugins"] = [located_plugin(entry) for entry in data["plugins"]]
+    model = data.get("model")
+    if isinstance(model, dict) and "spec" in model:
+        model["spec"] = located(model["spec"])
+    inference = data.get("inference")
+    vllm = inference.get("vllm") if isinstance(inference, dict) else None
+    if isinstance(vllm, dict) and "python" in vllm:
+        vllm["python"] = located(vllm["python"])
+    for environment in data.get("environments") or []:
+        arguments = environment.get("agent_args") if isinstance(environment, dict) else None
+        if isinstance(arguments, dict):
+            for key in AGENT_INPUT_PATHS:
+                if key in arguments:
+                    arguments[key] = located(arguments[key])
+    return data
+
+
 def dump_config(config: RunConfig) -> str:
-    """The fully resolved config as YAML (every field, defaults included)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The fully resolved config as YAML (every field, defaults included). A config built in Python
+    writes its objects' descriptions (`describe_python_object`), and says so in a first comment."""
+    data = config.model_dump(mode="json")
+    text = yaml.safe_dump(data, sort_keys=False)
+    if not _holds_python_objects(data):
+        return text
+    return (
+        "# Built in Python (llmrl.train): each value written <...> stands for an object the run was given,\n"
+        "# so this file does not load as it is; the same Python call resumes the run.\n" + text
+    )
+
+
+def _holds_python_objects(data: Any) -> bool:
+    if isinstance(data, dict):
+        return any(_holds_python_objects(value) for value in data.values())
+    if isinstance(data, list):
+        return any(_holds_python_objects(value) for value in data)
+    return is_python_object_description(data)
 
 
 def reference_markdown() -> str:
@@ -677,8 +809,15 @@ def reference_markdown() -> str:
         "",
         "<!-- Generated from llmrl/config.py by `python -m llmrl.config > docs/configuration.md`. -->",
         "",
-        "A run is one YAML file; every field below can also be set with `--set section.field=value`.",
-        "`llmrl config show CONFIG` prints a config with all defaults filled in.",
+        "A run is one YAML file; every field below can also be set with `--set section.field=value`",
+        "(list items by number: `--set environments.0.agent_args.digits=3`, or `environments[0]`).",
+        "`llmrl config show CONFIG` prints a config with all defaults filled in. From Python,",
+        "`llmrl.train(config)` takes a file, a mapping or a `RunConfig` (docs/python_api.md).",
+        "",
+        "Relative paths of the files a run reads (`plugins`, `model.spec`, `inference.vllm.python`, and an",
+        f"environment's {', '.join(f'`{name}`' for name in AGENT_INPUT_PATHS)}) resolve against the config",
+        "file's folder when the file exists there, otherwise against the working directory. The folders a",
+        "run writes (`run_dir`, `inference.weights_dir`) are relative to the working directory.",
     ]
     pending: list[tuple[str, type[BaseModel], str | None]] = [("top level", RunConfig, None)]
     while pending:
