@@ -5,12 +5,14 @@ so a config that arrives over the network cannot make a process import arbitrary
 built-in entries are resolved lazily (importing an agent pulls in its dependencies only when it is
 used). A *local* config may load user plug-ins through its explicit `plugins:` field: each listed
 module is imported and calls `register_agent` / `register_inference` itself, and its functions
-can be named as ``module:function`` (reward functions); no other module's can.
+can be named as ``module:function`` (reward functions); no other module's can. A config built in
+Python (`llmrl.train`) may hold an agent class itself in place of its name.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -51,6 +53,7 @@ class RegistryError(UserError):
 
 
 def _resolve(table: dict[str, str | type], kind: str, name: str) -> type:
+    _refuse_description(name, f"a registered {kind}")
     if not isinstance(name, str) or name not in table:
         valid = ", ".join(sorted(table))
         hint = (
@@ -93,8 +96,11 @@ def inference_names() -> list[str]:
     return sorted(_inference)
 
 
-def get_agent_class(name: str) -> type:
-    """The agent class registered under `name`; unknown names list the valid ones."""
+def get_agent_class(name: str | type) -> type:
+    """The agent class registered under `name`, or `name` itself when a config built in Python holds the
+    class; unknown names list the valid ones."""
+    if isinstance(name, type):
+        return name
     return _resolve(_agents, "agent type", name)
 
 
@@ -121,42 +127,61 @@ def import_plugins(modules: list[str]) -> None:
     """Import user plug-in modules named by a *local* config's `plugins:` field.
 
     An entry is a module name (``my_rewards``, ``mypackage.envs``) or the path of a ``.py`` file,
-    imported under its file name (``examples/my_rewards.py`` is the module ``my_rewards``). Never
-    call this with names taken from a network request.
+    imported under its file name (``examples/my_rewards.py`` is the module ``my_rewards``; a
+    package's ``NAME/__init__.py`` is the package ``NAME``). A module name is imported from the
+    import path, else from the working directory (which the ``llmrl`` command does not put on the
+    import path). Never call this with names taken from a network request.
     """
     for module in modules:
         try:
-            name = (
-                _import_file(Path(module))
-                if module.endswith(".py")
-                else importlib.import_module(module).__name__
-            )
+            name = _import_file(Path(module)) if module.endswith(".py") else _import_module(module)
         except (ImportError, OSError) as exc:
             raise RegistryError(f"plugins: cannot import {module!r}: {exc}") from None
         _plugin_modules.add(name)
 
 
+def _import_module(name: str) -> str:
+    try:
+        return importlib.import_module(name).__name__
+    except ModuleNotFoundError as exc:
+        top = name.partition(".")[0]
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(Path.cwd())])
+        if exc.name != top or spec is None:
+            raise
+    _execute(spec)
+    return importlib.import_module(name).__name__
+
+
 def _import_file(path: Path) -> str:
     if not path.is_file():
         raise ImportError(f"no such file: {path}")
-    name = path.stem
+    package = path.name == "__init__.py"
+    name = path.parent.resolve().name if package else path.stem
     loaded = sys.modules.get(name)
     if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path.resolve():
         return name
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
+    locations = [str(path.parent)] if package else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=locations)
+    assert spec is not None
+    _execute(spec)
+    return name
+
+
+def _execute(spec: importlib.machinery.ModuleSpec) -> None:
+    """Import the module `spec` finds, as `spec.name` (replacing a module of that name)."""
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[name]
+        del sys.modules[spec.name]
         raise
-    return name
 
 
 def resolve_function(spec: str) -> Any:
     """The function `spec` names: ``module:function`` from an imported plug-in, or a built-in's name."""
+    _refuse_description(spec, "a function as module:function")
     if not isinstance(spec, str) or not spec:
         raise RegistryError(f"expected a function name such as my_rewards:accuracy, got {spec!r}")
     module_name, colon, attr = spec.rpartition(":")
@@ -176,3 +201,13 @@ def resolve_function(spec: str) -> Any:
     if not callable(function):
         raise RegistryError(f"{spec!r}: module {module_name!r} has no function {attr!r}")
     return function
+
+
+def _refuse_description(name: Any, expected: str) -> None:
+    """A config saved from a run built in Python writes its objects as ``<...>`` descriptions
+    (`llmrl.config.describe_python_object`), which name nothing a file can."""
+    if isinstance(name, str) and name.startswith("<") and name.endswith(">"):
+        raise RegistryError(
+            f"{name} stands for an object a run was given in Python (llmrl.train); pass the object again, "
+            f"or name {expected} in a config file"
+        )
