@@ -11,6 +11,9 @@ The config maps the data's columns onto a problem::
       prompt_template: "Answer briefly. {prompt}"   # any column can be used: {question}, {topic}, ...
       system_prompt: You are a helpful assistant.
 
+From Python (`llmrl.train`), ``dataset`` and ``eval_dataset`` take `datasets.Dataset` objects in
+place of the files or the hub dataset.
+
 Three layouts are read, detected from the prompt column of the first row (``format:`` overrides):
 
 * ``flat``: a text prompt column; the prompt is `prompt_template` filled with the row's columns
@@ -41,6 +44,7 @@ from pydantic import ValidationError
 
 from llmrl.agents.base import Problem, make_prompt
 from llmrl.agents.reward_only import RewardOnlyAgent
+from llmrl.config import describe_python_object
 from llmrl.rewards.answers import extract_answer, normalize_answer
 from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine
 from llmrl.rewards.scorers import default_compute_score
@@ -87,6 +91,21 @@ def load_rows(
         )
     builder = _BUILDERS[suffixes.pop()]
     return datasets.load_dataset(builder, data_files=files, split="train").to_list()
+
+
+def dataset_rows(dataset: Any, argument: str) -> tuple[list[dict[str, Any]], str]:
+    """The rows of a `datasets.Dataset` given in Python as `argument`, and how errors name it."""
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        raise ValueError(
+            f"{argument}: a DatasetDict of {sorted(dataset)}; give one split, e.g. {argument}['train']"
+        )
+    if not isinstance(dataset, datasets.Dataset):
+        raise ValueError(
+            f"{argument}: expected a datasets.Dataset (given in Python, llmrl.train), got {_shown(dataset)}"
+        )
+    return dataset.to_list(), f"{argument} {describe_python_object(dataset)}"
 
 
 class RowProblems(ABC):
@@ -163,6 +182,8 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         split: str = "train",
         eval_split: str | None = None,
         eval_data_files: str | list[str] | None = None,
+        dataset: Any = None,
+        eval_dataset: Any = None,
         format: Literal["auto", "flat", "conversational", "verl"] = "auto",
         prompt_column: str = "prompt",
         answer_column: str | None = None,
@@ -180,6 +201,8 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
             data_files: local files instead of `path` (json, jsonl, csv, parquet or arrow).
             eval_split / eval_data_files: held-out evaluation data; without them `eval_size` rows are held
             out.
+            dataset / eval_dataset: a `datasets.Dataset` (from Python, `llmrl.train`) in place of `path` or
+                `data_files`, and of `eval_split` or `eval_data_files`.
             format: the data's layout, ``flat``, ``conversational`` or ``verl``; ``auto`` detects it.
             prompt_column / answer_column / id_column: column mapping (ids default to the row number); a
                 column may be a dotted path into struct columns. The answer defaults to ``answer``, or
@@ -198,6 +221,10 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
             raise ValueError("eval_split needs path (a hub dataset); for local files use eval_data_files")
         if eval_data_files is not None and data_files is None:
             raise ValueError("eval_data_files needs data_files; for a hub dataset use eval_split")
+        if dataset is not None and (path is not None or data_files is not None):
+            raise ValueError("give dataset, or path or data_files, not both")
+        if eval_dataset is not None and (eval_split is not None or eval_data_files is not None):
+            raise ValueError("give eval_dataset, or eval_split or eval_data_files, not both")
         if format not in LAYOUTS:
             raise ValueError(f"format: expected one of {list(LAYOUTS)}, got {format!r}")
         functions = [
@@ -214,8 +241,11 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
         self.chat = chat
-        self._rows = load_rows(path=path, data_files=data_files, name=name, split=split)
-        self._source = _describe_source(path, data_files, split)
+        if dataset is None:
+            self._rows = load_rows(path=path, data_files=data_files, name=name, split=split)
+            self._source = _describe_source(path, data_files, split)
+        else:
+            self._rows, self._source = dataset_rows(dataset, "dataset")
         self.layout: Layout = self._detect_layout(self._rows, self._source) if format == "auto" else format
         if not functions and self.layout == "verl":
             functions = [RewardFunction(default_compute_score, name="score", style="verl")]
@@ -225,15 +255,14 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         self.answer_column = answer_column or _DEFAULT_ANSWER_COLUMN[self.layout]
         if answer_column is None and functions and not _has_column(self._rows[0], self.answer_column):
             self.answer_column = None  # reward functions that need no answer, on data without the default one
-        self._eval_rows = None
-        if eval_split is not None or eval_data_files is not None:
+        self._eval_rows, eval_source = None, _describe_source(path, eval_data_files, eval_split or split)
+        if eval_dataset is not None:
+            self._eval_rows, eval_source = dataset_rows(eval_dataset, "eval_dataset")
+        elif eval_split is not None or eval_data_files is not None:
             self._eval_rows = load_rows(
                 path=path, data_files=eval_data_files, name=name, split=eval_split or split
             )
-        for rows, source in (
-            (self._rows, self._source),
-            (self._eval_rows, _describe_source(path, eval_data_files, eval_split or split)),
-        ):
+        for rows, source in ((self._rows, self._source), (self._eval_rows, eval_source)):
             if rows is not None:
                 self._check_rows(rows, source)
 
