@@ -17,6 +17,8 @@ and the config names it::
           data_files: examples/data/sums_train.jsonl
           eval_data_files: examples/data/sums_test.jsonl
 
+From Python (`llmrl.train`), `rollout` may be the function itself.
+
 Problems are the rows of `data_files` / `eval_data_files` (or a hub dataset: `path`, `split`,
 `eval_split`), read as the dataset agent reads them, each passed to the program as a dict. An
 episode is one run of the program on one problem; `group_size` episodes make a group. Each episode
@@ -69,7 +71,7 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
     def __init__(
         self,
         *,
-        rollout: str,
+        rollout: str | Program,
         model_spec: str | None = None,
         chat_template: str | None = None,
         tool_parser: str | None = None,
@@ -87,7 +89,8 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
     ):
         """
         Args:
-            rollout: the program, ``module:function`` of a `plugins:` module (an ``async def``).
+            rollout: the program, ``module:function`` of a `plugins:` module (an ``async def``), or the
+                function itself (from Python, `llmrl.train`).
             model_spec: the model whose tokenizer and chat template render the calls (default: the
                 run's `model.spec`).
             chat_template: a Jinja chat template file used instead of the tokenizer's.
@@ -99,9 +102,10 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
             **kwargs: `ProblemSetAgent` options (eval_size, inference_timeout_s, generation_args).
         """
         super().__init__(**kwargs)
-        program = resolve_function(rollout)
+        program = rollout if callable(rollout) else resolve_function(rollout)
         if not inspect.iscoroutinefunction(program):
-            raise ValueError(f"rollout: {rollout} must be an async def function (client, problem)")
+            name = getattr(program, "__qualname__", rollout)
+            raise ValueError(f"rollout: {name} must be an async def function (client, problem)")
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser: expected one of {sorted(TOOL_PARSERS)}, got {tool_parser!r}")
         for field, value in (("max_calls", max_calls), ("max_episode_tokens", max_episode_tokens)):
