@@ -72,7 +72,8 @@ class RewardFunction:
         """An entry ``{function, weight, style, name}`` (or a bare callable); `where` prefixes errors.
 
         ``function`` is ``"module:name"`` for a module the config lists in ``plugins:``, or the name
-        of a built-in scorer of `llmrl.rewards` (``default_compute_score``, ``math_dapo``, ...).
+        of a built-in scorer of `llmrl.rewards` (``default_compute_score``, ``math_dapo``, ...), or the
+        function itself in a config built in Python (`llmrl.train`).
         """
         if callable(entry):
             entry = {"function": entry}
