@@ -122,7 +122,11 @@ _RUN_OUTPUTS = (
 
 
 def checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | None:
-    """The run folder's latest checkpoint when this config may continue it; errors explain when not."""
+    """The run folder's latest checkpoint when this config may continue it; errors explain when not.
+
+    The configs are compared as they are saved: the objects a config built in Python holds by their
+    descriptions (`llmrl.config.describe_python_object`), so the same Python call resumes: a function
+    or class is the same by its ``module:qualname``, a `datasets.Dataset` by its fingerprint."""
     latest = latest_checkpoint(config.run_dir)
     if latest is None:
         if force:
@@ -134,7 +138,8 @@ def checkpoint_to_resume(config: RunConfig, force: bool) -> tuple[int, Path] | N
     if blocking and not force:
         raise ConfigError(
             f"run_dir {config.run_dir} holds a checkpoint at step {latest[0]} of a different config "
-            f"({'; '.join(blocking[:5])}). Pass --resume to continue it with this config, or choose a new run_dir."
+            f"({'; '.join(blocking[:5])}). Pass --resume (llmrl.train: resume=True) to continue it with this "
+            "config, or choose a new run_dir."
         )
     return latest
 
@@ -145,6 +150,12 @@ def _config_changes(old: Any, new: Any, path: str = "") -> list[str]:
             change
             for key in sorted(set(old) | set(new))
             for change in _config_changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+        ]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [
+            change
+            for index, (was, now) in enumerate(zip(old, new, strict=True))
+            for change in _config_changes(was, now, f"{path}[{index}]")
         ]
     return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
