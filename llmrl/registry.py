@@ -15,6 +15,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,40 @@ def import_plugins(modules: list[str]) -> None:
             name = _import_file(Path(module)) if module.endswith(".py") else _import_module(module)
         except (ImportError, OSError) as exc:
             raise RegistryError(f"plugins: cannot import {module!r}: {exc}") from None
+        except Exception as exc:  # the plug-in's own code raised
+            raise RegistryError(f"plugins: {_failure_in_plugin(module, exc)}") from None
         _plugin_modules.add(name)
+
+
+def _failure_in_plugin(module: str, exc: Exception) -> str:
+    """``my_rewards.py:3: NameError: ...``: the last line of the plug-in's file on the way to the error
+    (whatever it called raised), or the line that does not compile."""
+    if isinstance(exc, SyntaxError):  # raised compiling the file: it has no frame
+        return f"{_shown_path(exc.filename or module)}:{exc.lineno}: SyntaxError: {exc.msg}"
+    frames = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
+    # The plug-in's file is the first one the import ran that is not the import machinery.
+    plugin = next(
+        (
+            file
+            for file, _ in frames
+            if not file.startswith("<") and Path(file).parent not in _IMPORT_MACHINERY
+        ),
+        None,
+    )
+    if plugin is None:
+        return f"{module}: {type(exc).__name__}: {exc}"
+    line = [line for file, line in frames if file == plugin][-1]
+    return f"{_shown_path(plugin)}:{line}: {type(exc).__name__}: {exc}"
+
+
+_IMPORT_MACHINERY = (Path(__file__).parent, Path(importlib.__file__).parent)
+"""Where the frames of an import that are not the plug-in's lie: llmrl's and importlib's folders."""
+
+
+def _shown_path(filename: str) -> str:
+    """`filename` relative to the working directory when it lies under it."""
+    path = Path(filename).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _import_module(name: str) -> str:

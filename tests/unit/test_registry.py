@@ -70,3 +70,26 @@ def test_registered_but_missing_module_is_a_clear_error(clean_registry, monkeypa
     monkeypatch.setitem(registry._agents, "ghost", "llmrl.envs.no_such_module:Ghost")
     with pytest.raises(RegistryError, match="'ghost' is registered but not available"):
         registry.get_agent_class("ghost")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("x = 1\n\nfoo()\n", "plugins: my_rewards.py:3: NameError: name 'foo' is not defined"),
+        (  # the plug-in's own line, not the library's that raised
+            "import json\n\ndef parse():\n    return json.loads('{')\n\nparse()\n",
+            "plugins: my_rewards.py:4: JSONDecodeError: Expecting property name",
+        ),
+        ("def broken(:\n    pass\n", "plugins: my_rewards.py:1: SyntaxError: invalid syntax"),
+    ],
+)
+def test_a_plugin_that_raises_on_import_is_one_line_naming_its_file_and_line(
+    tmp_path, monkeypatch, clean_registry, source, message
+):
+    (tmp_path / "my_rewards.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    for entry in ("my_rewards.py", "my_rewards"):  # a file path or a module name
+        with pytest.raises(RegistryError) as info:
+            registry.import_plugins([entry])
+        assert str(info.value).startswith(message) and "\n" not in str(info.value)
+        assert "my_rewards" not in sys.modules
