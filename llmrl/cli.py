@@ -11,7 +11,8 @@ User mistakes (a `UserError`: a bad config, model spec or plug-in name; a missin
 print one clear message and exit with status 2; any other exception is a bug and keeps its traceback.
 Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
 run whose inference server stops answering exits with 75 and one line saying since when; running
-the same command again resumes it.
+the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
+exits with 1 and one line naming the failure (`UserCodeError`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmrl.config import RunConfig, dump_config, load_config
-from llmrl.errors import UserError
+from llmrl.errors import UserCodeError, UserError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -94,12 +95,27 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    config = _load(args)
+    from llmrl.trainer.evaluated_model import find_evaluated_model, run_model
+
     if args.model is not None:
-        config.model.spec = _model_spec(args.model)
-    summary = _evaluate(config, f"evaluation of {config.model.spec}")
-    out = Path(config.run_dir) / "eval.json"
-    _write_json(out, {"model": config.model.spec, "evaluation": summary})
+        model = find_evaluated_model(args.model)
+        # Without a config, a run's checkpoint is evaluated on what its run trained and evaluated on.
+        config = load_config(args.config or model.run_config, args.overrides)
+    else:
+        config = _load(args)
+        model = run_model(config.run_dir, config.model.spec)
+    environments = [env.name for env in config.environments]
+    print(
+        f"evaluating {model.description} on {', '.join(environments)}: the first "
+        f"{config.evaluation.num_prompts} held-out problems{' of each' if len(environments) > 1 else ''}"
+    )
+    with model.served(config.model) as served:
+        summary = _evaluate(config.model_copy(update={"model": served}), f"evaluation of {model.description}")
+    # A model of no run lands in the run of a config given, never in the built-in demo's run folder.
+    config_run_dir = config.run_dir if args.config is not None else None
+    out = Path(args.output) if args.output else model.results_path(config_run_dir)
+    checkpoint = str(model.checkpoint) if model.checkpoint is not None else None
+    _write_json(out, {"model": model.description, "checkpoint": checkpoint, "evaluation": summary})
     print(f"wrote {out}")
     return 0
 
@@ -110,6 +126,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmrl.evaluation import summary_table
     from llmrl.inference import InferenceUnavailableError
     from llmrl.trainer import Trainer
+    from llmrl.trainer.run_folder import RunFolderWriteError
+    from llmrl.trainer.trainer import AlreadyTrainedError
 
     config = _load(args)
     try:
@@ -117,9 +135,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         if trainer.resumed and trainer.is_main:
             print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
         summary = trainer.run()
+    except AlreadyTrainedError as exc:
+        print(exc)
+        return 0
     except InferenceUnavailableError as exc:
         print(f"llmrl train: stopped: {exc}", file=sys.stderr)
         return EXIT_TRY_AGAIN
+    except RunFolderWriteError as exc:  # a full disk, a read-only file system: the message says what is kept
+        print(f"llmrl train: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if not trainer.is_main:  # under torchrun, rank 0 reports
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120)
@@ -239,13 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     evaluate = command(
-        "eval", cmd_eval, "Evaluate a model (pass@k, greedy accuracy) on the config's environments."
+        "eval",
+        cmd_eval,
+        "Evaluate a model (pass@k, greedy accuracy) on the config's environments; without --model, the "
+        "config's run's latest checkpoint (its untrained model.spec while it has none).",
     )
     _add_config_arguments(evaluate, required=False)
     evaluate.add_argument(
         "--model",
         metavar="PATH",
-        help="model to evaluate instead of the config's: a run or checkpoint folder, a model folder or a spec",
+        help="model to evaluate: a run folder (its latest checkpoint), a checkpoint or LoRA adapter "
+        "folder (merged onto its base), a Hugging Face model folder or a model spec; a run's own "
+        "config is used when no CONFIG is given",
+    )
+    evaluate.add_argument(
+        "--output",
+        metavar="PATH",
+        help="JSON file to write the results to (default: RUN/eval-step_NNNNNN.json for a run's "
+        "checkpoint, else eval-MODEL.json in the config's run folder, or in the current folder "
+        "without a CONFIG)",
     )
 
     serve_env = command("serve-env", cmd_serve_env, "Serve the config's environments over HTTP.")
@@ -305,6 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except UserCodeError as exc:  # the run started: what failed is the user's code, not its config
+        print(f"llmrl {args.command}: stopped: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (UserError, FileExistsError, FileNotFoundError) as exc:
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -132,11 +132,25 @@ def adapter_checkpoint(path: Path) -> Path | None:
 def export_merged(checkpoint: Path, output_dir: str | Path, *, dtype: str) -> Path:
     """The checkpoint's adapter merged into its run's base model (`model.spec`), written in `dtype` as
     a plain Hugging Face folder; the merge is done in float32."""
-    from peft import PeftModel
-
     from llmrl.config import load_config
 
     config = load_config(checkpoint / "config.yaml")
-    base, tokenizer = load_model(config.model.spec, trust_remote_code=config.model.trust_remote_code)
-    merged = PeftModel.from_pretrained(base, str(checkpoint / ADAPTER_FOLDER)).merge_and_unload()
+    return merge_adapter(
+        checkpoint / ADAPTER_FOLDER,
+        config.model.spec,
+        output_dir,
+        dtype=dtype,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+
+
+def merge_adapter(
+    adapter: Path, base_spec: str, output_dir: str | Path, *, dtype: str, trust_remote_code: bool = False
+) -> Path:
+    """A PEFT adapter folder merged into the base model `base_spec`, written in `dtype` as a plain
+    Hugging Face folder; the merge is done in float32."""
+    from peft import PeftModel
+
+    base, tokenizer = load_model(base_spec, trust_remote_code=trust_remote_code)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     return write_model_folder(merged.to(DTYPES[dtype]), tokenizer, output_dir)
