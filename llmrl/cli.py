@@ -11,8 +11,7 @@ User mistakes (a `UserError`: a bad config, model spec or plug-in name; a missin
 print one clear message and exit with status 2; any other exception is a bug and keeps its traceback.
 Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
 run whose inference server stops answering exits with 75 and one line saying since when; running
-the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
-exits with 1 and one line naming the failure (`UserCodeError`).
+the same command again resumes it.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmrl.config import RunConfig, dump_config, load_config
-from llmrl.errors import UserCodeError, UserError
+from llmrl.errors import UserError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -126,8 +125,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmrl.evaluation import summary_table
     from llmrl.inference import InferenceUnavailableError
     from llmrl.trainer import Trainer
-    from llmrl.trainer.run_folder import RunFolderWriteError
-    from llmrl.trainer.trainer import AlreadyTrainedError
 
     config = _load(args)
     try:
@@ -135,15 +132,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if trainer.resumed and trainer.is_main:
             print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
         summary = trainer.run()
-    except AlreadyTrainedError as exc:
-        print(exc)
-        return 0
     except InferenceUnavailableError as exc:
         print(f"llmrl train: stopped: {exc}", file=sys.stderr)
         return EXIT_TRY_AGAIN
-    except RunFolderWriteError as exc:  # a full disk, a read-only file system: the message says what is kept
-        print(f"llmrl train: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     if not trainer.is_main:  # under torchrun, rank 0 reports
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120)
@@ -341,9 +332,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except UserCodeError as exc:  # the run started: what failed is the user's code, not its config
-        print(f"llmrl {args.command}: stopped: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     except (UserError, FileExistsError, FileNotFoundError) as exc:
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
