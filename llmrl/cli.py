@@ -11,7 +11,8 @@ User mistakes (a `UserError`: a bad config, model spec or plug-in name; a missin
 print one clear message and exit with status 2; any other exception is a bug and keeps its traceback.
 Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
 run whose inference server stops answering exits with 75 and one line saying since when; running
-the same command again resumes it.
+the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
+exits with 1 and one line naming the failure (`UserCodeError`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmrl.config import RunConfig, dump_config, load_config
-from llmrl.errors import UserError
+from llmrl.errors import UserCodeError, UserError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -332,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except UserCodeError as exc:  # the run started: what failed is the user's code, not its config
+        print(f"llmrl {args.command}: stopped: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (UserError, FileExistsError, FileNotFoundError) as exc:
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -7,14 +7,20 @@ groups: one problem, `group_size` samples) and `evaluate` (held-out problems, n 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmrl.inference.interface import InferenceInterface
 from llmrl.seeding import derive_seed
 from llmrl.types import ChatMessage, EvaluationResponse, GenerationArgs, RolloutGroup, TokenRollout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,53 @@ INFERENCE_FAILURE = "inference:"
 def failed_in_inference(rollout: TokenRollout) -> bool:
     """True for a placeholder standing in for a rollout whose inference call failed (not its reward)."""
     return not rollout.is_valid and (rollout.failure_reason or "").startswith(INFERENCE_FAILURE)
+
+
+USER_CODE_STAGES = ("reward", "observe", "program")
+"""The stages of an episode that run the user's code (reward functions, an agent's `reward` and
+`observe`, an agent program); a placeholder's `failure_reason` begins with its stage and a colon."""
+
+
+def failed_in_user_code(rollout: TokenRollout) -> bool:
+    """True for a placeholder standing in for a rollout whose user code failed (`USER_CODE_STAGES`)."""
+    stage = (rollout.failure_reason or "").split(":", 1)[0]
+    return not rollout.is_valid and stage in USER_CODE_STAGES
+
+
+_placeholder_counts: contextvars.ContextVar[Counter[tuple[str, str]] | None] = contextvars.ContextVar(
+    "llmrl_placeholder_counts", default=None
+)
+
+
+@contextlib.contextmanager
+def placeholders_logged_once(when: str) -> Iterator[None]:
+    """Within the block (a step's draw, an evaluation), `log_placeholders` counts each distinct failure;
+    at its end each is logged once with its count and `when` (``this step``), not once per problem.
+    A block inside another counts into the outer one.
+
+    The counts live in a context variable: the tasks the block starts (`asyncio.gather`) share them,
+    and concurrent draws (an environment server's requests) keep their own."""
+    if _placeholder_counts.get() is not None:
+        yield
+        return
+    counts: Counter[tuple[str, str]] = Counter()
+    token = _placeholder_counts.set(counts)
+    try:
+        yield
+    finally:
+        _placeholder_counts.reset(token)
+        for (env_id, reason), count in counts.items():
+            log.warning("%s: %s (x%d %s)", env_id, reason, count, when)
+
+
+def log_placeholders(env_id: str, reason: str, count: int) -> None:
+    """Log `count` rollouts of `env_id` replaced by placeholders for `reason`: at the end of the
+    enclosing `placeholders_logged_once` block, else now."""
+    counts = _placeholder_counts.get()
+    if counts is None:
+        log.warning("%s: %s (x%d)", env_id, reason, count)
+    else:
+        counts[(env_id, reason)] += count
 
 
 def request_args(args: GenerationArgs, *keys: object) -> GenerationArgs:

@@ -93,7 +93,8 @@ class EpisodeFailure:
     @property
     def reason(self) -> str:
         """The placeholder's `failure_reason`, as logged: the stage, then the detail (the trainer tells
-        inference failures apart by it: `llmrl.agents.base.failed_in_inference`)."""
+        inference failures and the user's code failing apart by it: `llmrl.agents.base.failed_in_inference`,
+        `failed_in_user_code`)."""
         return f"{self.stage}: {self.detail}"[:500]
 
 

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from llmrl.agents.base import Agent, has_signal, placeholder_rollout
+from llmrl.agents.base import Agent, has_signal, placeholder_rollout, placeholders_logged_once
 from llmrl.agents.pass_at_k import PassAtKAgent
 from llmrl.config import ConfigError, EnvironmentConfig
 from llmrl.inference.interface import InferenceInterface
@@ -112,14 +112,17 @@ class WeightedMultiTask:
         group_size: int,
         generation_args: GenerationArgs | None = None,
     ) -> list[RolloutGroup]:
-        """`num_groups` groups from all training agents, drawn concurrently, in agent order."""
+        """`num_groups` groups from all training agents, drawn concurrently, in agent order; each distinct
+        failure is logged once, with its count over the step's draws (dynamic sampling's included)."""
         counts = self.allocation(num_groups)
         draws = [
             self._draw(agent, count, inference, group_size, generation_args)
             for agent, count in zip(self.agents, counts, strict=True)
             if count > 0
         ]
-        return [group for groups in await asyncio.gather(*draws) for group in groups]
+        with placeholders_logged_once("this step"):
+            drawn = await asyncio.gather(*draws)
+        return [group for groups in drawn for group in groups]
 
     async def _draw(
         self,

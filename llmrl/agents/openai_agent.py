@@ -29,7 +29,9 @@ sequences, all with the episode's reward.
 An episode is a placeholder (not trained on, counted in the metrics under ``failures/<stage>``)
 when the program raises (``program``), returns something that is not a reward (``reward``), makes
 no call, or breaks a limit (``limit``: `max_calls`, `max_episode_tokens`, `timeout_s`), and when an
-inference request fails (``inference``). Training episodes refuse sampling options the trainer
+inference request fails (``inference``). A failure of the program names where: the line of the
+program that raised, or the program's definition (``program: my_agent.py:21 in rollout: KeyError:
+'questoin'``). Training episodes refuse sampling options the trainer
 cannot reproduce (penalties, `min_tokens`, temperature 0) with an HTTP 400, which the program sees
 as `openai.BadRequestError`; held-out evaluation runs the same program and accepts them.
 """
@@ -53,6 +55,7 @@ from llmrl.agents.dataset import RowProblems, load_rows
 from llmrl.agents.endpoint import Episode, EpisodeFailure, EpisodeLimits
 from llmrl.agents.reward_only import ProblemSetAgent
 from llmrl.agents.tool_parsers import TOOL_PARSERS
+from llmrl.errors import UserCodeFailure, code_location
 from llmrl.inference.interface import InferenceInterface
 from llmrl.models.loading import load_tokenizer
 from llmrl.registry import resolve_function
@@ -198,38 +201,44 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
             except TimeoutError:
                 failure = EpisodeFailure("limit", f"the program ran past timeout_s={self.timeout_s} s")
             except Exception as exc:  # noqa: BLE001 - the program's failure fails its episode only
-                failure = EpisodeFailure("program", f"{type(exc).__name__}: {exc}")
+                where = code_location(exc, self.program)
+                failure = EpisodeFailure("program", f"{where}: {type(exc).__name__}: {exc}")
         if episode.failure is not None:  # what the program saw as an error (and may have caught)
             failure = episode.failure
         elif failure is None and not episode.sequences:
-            failure = EpisodeFailure("program", "it made no model call")
+            failure = EpisodeFailure(
+                "program",
+                f"{code_location(None, self.program)}: made no model call that was answered, so there is "
+                "nothing to train on",
+            )
         if failure is None:
             try:
                 value, components = _reward(result)
-            except (TypeError, ValueError) as exc:
-                failure = EpisodeFailure("reward", str(exc))
+            except UserCodeFailure as exc:
+                failure = EpisodeFailure("reward", f"{code_location(None, self.program)}: {exc}")
             else:
                 return episode.rollout(self.env_id, problem.id, value, components)
-        self._count_failure(failure.stage, problem, failure.reason, count=1)
+        self._count_failure(failure.stage, failure.reason, count=1)
         return placeholder_rollout(self.env_id, problem.id, failure.reason)
 
 
 def _reward(result: Any) -> tuple[float, dict[str, float]]:
-    """The reward and the other numbers to log from a program's result: a number or a dict."""
+    """The reward and the other numbers to log from a program's result: a number or a dict (raises
+    `UserCodeFailure`, without a location, for anything else)."""
     if isinstance(result, Reward):
+        if not _is_number(result.value):
+            raise UserCodeFailure.returned(None, result, "a finite reward")
         return result.value, dict(result.components)
     if isinstance(result, dict):
         if "reward" not in result:
-            raise ValueError(f"the program returned a dict without 'reward': {sorted(result)}")
+            raise UserCodeFailure.returned(None, result, "a dict with 'reward'")
         numbers = {str(k): v for k, v in result.items() if k != "reward"}
         bad = [k for k, v in numbers.items() if not _is_number(v)]
         if bad or not _is_number(result["reward"]):
-            raise TypeError(
-                f"the program's result holds values that are not finite numbers: {result!r}"[:300]
-            )
+            raise UserCodeFailure.returned(None, result, "finite numbers as its values")
         return float(result["reward"]), {k: float(v) for k, v in numbers.items()}
     if not _is_number(result):
-        raise TypeError(f"the program must return a number or a dict with 'reward', got {result!r}"[:300])
+        raise UserCodeFailure.returned(None, result, "a finite number or a dict with 'reward'")
     return float(result), {}
 
 

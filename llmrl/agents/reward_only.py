@@ -19,9 +19,12 @@ message or None to stop. Everything else is done here:
 * a seeded request (`GenerationArgs.seed`) is split into one seed per request, derived from the
   environment, group or problem, sample and turn (`request_args`), so seeded runs sample the same
   tokens however the requests interleave;
-* failures are isolated: an exception or a timeout in inference, `observe` or `reward` turns the
-  affected rollouts into placeholders (`status="placeholder"`, `failure_reason`), counted in
-  `pop_metrics()` and logged, while the rest of the group and batch go on.
+* failures are isolated: an exception or a timeout in inference, `observe` or `reward` (or a reward
+  that is not a finite number) turns the affected rollouts into placeholders
+  (`status="placeholder"`, `failure_reason`), counted in `pop_metrics()`, while the rest of the
+  group and batch go on. The reason of a failure in `observe` or `reward` names the file and line
+  of the user's code (`llmrl.errors.code_location`); each distinct reason is logged once per call of
+  `group_rollouts` or `evaluate`, with its count.
 
 Rewards and observations run in their own threads (`reward_concurrency` at a time) under
 `reward_timeout_s`; a function that never returns leaks its thread but not the run. Coroutine
@@ -35,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import logging
 import random
 import threading
 from abc import abstractmethod
@@ -45,12 +47,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from llmrl.agents.base import Agent, Problem, placeholder_rollout, prompt_text, request_args
+from llmrl.agents.base import (
+    Agent,
+    Problem,
+    log_placeholders,
+    placeholder_rollout,
+    placeholders_logged_once,
+    prompt_text,
+    request_args,
+)
 from llmrl.agents.sampler import EpochSampler
 from llmrl.agents.trajectory import Trajectory
 from llmrl.agents.workers import in_worker_thread
+from llmrl.errors import UserCodeFailure, code_location
 from llmrl.inference.interface import InferenceInterface
-from llmrl.rewards.functions import Reward
+from llmrl.rewards.functions import Reward, finite_number
 from llmrl.telemetry import trace_span
 from llmrl.types import (
     ChatMessage,
@@ -63,8 +74,6 @@ from llmrl.types import (
     TokenRollout,
     validation_problems,
 )
-
-log = logging.getLogger(__name__)
 
 # The held-out split must not move when the run seed changes, or evaluations of different seeds
 # would not be comparable; it depends only on the problem list.
@@ -180,14 +189,15 @@ class ProblemSetAgent(Agent):
         problems = [self.train_problems[i] for i in self._sampler.take(num_groups)]
         first = self._groups_drawn
         self._groups_drawn += num_groups
-        samples = await asyncio.gather(
-            *(
-                self.run_episodes(
-                    inference, p, group_size, request_args(args, self.env_id, "train", first + i)
+        with placeholders_logged_once("this step"):
+            samples = await asyncio.gather(
+                *(
+                    self.run_episodes(
+                        inference, p, group_size, request_args(args, self.env_id, "train", first + i)
+                    )
+                    for i, p in enumerate(problems)
                 )
-                for i, p in enumerate(problems)
             )
-        )
         return [
             RolloutGroup(group_id=f"{self.env_id}/{first + i}", rollouts=rollouts)
             for i, rollouts in enumerate(samples)
@@ -238,7 +248,8 @@ class ProblemSetAgent(Agent):
                 failed=len(sampled) - len(scored) + len(greedy_sample) - (best is not None),
             )
 
-        results = await asyncio.gather(*(evaluate_one(p) for p in self.eval_problems[:num_prompts]))
+        with placeholders_logged_once("in evaluation"):
+            results = await asyncio.gather(*(evaluate_one(p) for p in self.eval_problems[:num_prompts]))
         return EvaluationResponse(env_id=self.env_id, results=list(results))
 
     def state_dict(self) -> dict[str, Any]:
@@ -256,17 +267,11 @@ class ProblemSetAgent(Agent):
     def _sampling_args(self, caller: GenerationArgs | None) -> GenerationArgs:
         return (caller or GenerationArgs()).merge(self.generation_args)
 
-    def _count_failure(self, stage: str, problem: Problem, reason: str, *, count: int) -> None:
-        """Count and log `count` rollouts of `problem` replaced by placeholders for `reason`."""
+    def _count_failure(self, stage: str, reason: str, *, count: int) -> None:
+        """Count and log `count` rollouts replaced by placeholders for `reason`."""
         self._counters[f"failures/{stage}"] += 1
         self._counters["placeholders"] += count
-        log.warning(
-            "%s: problem %s: %s (%d rollout(s) replaced by placeholders)",
-            self.env_id,
-            problem.id,
-            reason,
-            count,
-        )
+        log_placeholders(self.env_id, reason, count)
 
 
 class RewardOnlyAgent(ProblemSetAgent):
@@ -326,7 +331,7 @@ class RewardOnlyAgent(ProblemSetAgent):
                 inference, InferenceRequest(prompt=problem.prompt, generation_args=args, n=n)
             )
         except Exception as exc:
-            reason = self._record_failure("inference", problem, exc, count=n)
+            reason = self._record_failure("inference", exc, count=n)
             return [placeholder_rollout(self.env_id, problem.id, reason) for _ in range(n)]
         return list(
             await asyncio.gather(
@@ -364,7 +369,9 @@ class RewardOnlyAgent(ProblemSetAgent):
                 if message is None:
                     break
                 if not isinstance(message, str):
-                    raise TypeError(f"observe() must return a string or None, got {type(message).__name__}")
+                    raise UserCodeFailure.returned(
+                        code_location(None, self.observe), message, "a string (the next user message) or None"
+                    )
                 stage = "inference"
                 follow_up = (
                     message
@@ -388,11 +395,15 @@ class RewardOnlyAgent(ProblemSetAgent):
                 stage = "observe"
             stage = "reward"
             reward = await self._call_env(self.reward, response, problem)
-            if isinstance(reward, Reward):
-                return trajectory.rollout(self.env_id, problem.id, reward.value, reward.components)
-            return trajectory.rollout(self.env_id, problem.id, float(reward))
+            value = finite_number(reward.value if isinstance(reward, Reward) else reward)
+            if value is None:
+                raise UserCodeFailure.returned(
+                    code_location(None, self.reward), reward, "a finite number or a Reward"
+                )
+            components = reward.components if isinstance(reward, Reward) else {}
+            return trajectory.rollout(self.env_id, problem.id, value, components)
         except Exception as exc:
-            reason = self._record_failure(stage, problem, exc, count=1)
+            reason = self._record_failure(stage, exc, count=1)
             return placeholder_rollout(self.env_id, problem.id, reason)
 
     def _reward_slots(self) -> asyncio.Semaphore:
@@ -414,13 +425,19 @@ class RewardOnlyAgent(ProblemSetAgent):
                 call = fn(*args) if inspect.iscoroutinefunction(fn) else in_worker_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)
 
-    def _record_failure(self, stage: str, problem: Problem, exc: BaseException, *, count: int) -> str:
+    def _record_failure(self, stage: str, exc: BaseException, *, count: int) -> str:
+        """Count and log a failure of `stage`; returns the placeholders' `failure_reason`."""
         if isinstance(exc, asyncio.TimeoutError | TimeoutError):
             limit = self.inference_timeout_s if stage == "inference" else self.reward_timeout_s
             reason = f"{stage}: timed out after {limit} s"
+        elif isinstance(exc, UserCodeFailure):
+            reason = f"{stage}: {exc}"[:500]
+        elif stage in ("reward", "observe"):  # the user's code raised: where, then what
+            where = code_location(exc, self.reward if stage == "reward" else self.observe)
+            reason = f"{stage}: {where}: {type(exc).__name__}: {exc}"[:500]
         else:
             reason = f"{stage}: {type(exc).__name__}: {exc}"[:500]
-        self._count_failure(stage, problem, reason, count=count)
+        self._count_failure(stage, reason, count=count)
         return reason
 
 

@@ -7,7 +7,9 @@ Two calling conventions are accepted, told apart by the function's parameters (o
   other columns as lists too (``solution=[...]``). With a conversational dataset the prompts are
   message lists and each completion is ``[{"role": "assistant", "content": text}]``. ``None`` means
   "this function does not apply to this sample": it is left out of the weighted sum and of the
-  function's mean (TRL's NaN). A function without ``**kwargs`` gets only the columns it names.
+  function's mean, as in TRL. A NaN is refused: TRL's documented spelling of "not scored" is None,
+  and a NaN is most often arithmetic gone wrong (0/0). A function without ``**kwargs`` gets only the
+  columns it names.
 * **verl**: ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``; a
   dict's ``score`` is the reward and its other numeric entries are logged.
 
@@ -15,7 +17,13 @@ Functions are called once per rollout (lists of one sample in TRL style), in the
 worker threads, so a function that raises or hangs affects that rollout only (it becomes a
 placeholder). The reward is ``sum(weight * value)`` over the functions that apply; each value is
 also reported under the function's name (`Reward.components`), and so logged as
-``reward/<env>/<name>``.
+``reward/<env>/<name>``. A rollout no function applies to (all returned None) has no reward: it
+fails like a function that raises, rather than scoring 0.
+
+A function that raises, or returns something other than a finite number (a string, NaN, inf, a
+list of the wrong length), raises `UserCodeFailure`, whose message starts with the file and line to
+fix: the function's own frame where it raised, else its definition
+(``my_rewards.py:12 in accuracy: returned '1.0'; expected a finite number``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmrl.errors import UserCodeFailure, code_location
 from llmrl.registry import resolve_function
 
 Style = Literal["trl", "verl"]
@@ -122,10 +131,24 @@ class RewardFunction:
             )
 
     def __call__(self, sample: Sample) -> tuple[float | None, dict[str, float]]:
-        """This function's value for `sample` (None: it does not apply) and the extra values it reports."""
+        """This function's value for `sample` (None: it does not apply) and the extra values it reports.
+
+        Raises `UserCodeFailure` when the function raises or returns no usable value."""
         if self.style == "verl":
             return self._call_verl(sample)
         return self._call_trl(sample), {}
+
+    def _call(self, arguments: dict[str, Any]) -> Any:
+        try:
+            return self.function(**_accepted(self.function, arguments))
+        except Exception as exc:
+            raise UserCodeFailure(code_location(exc, self.function), f"{type(exc).__name__}: {exc}") from exc
+
+    @property
+    def location(self) -> str | None:
+        """Where the function is defined (``my_rewards.py:12 in accuracy``): what a failure for what it
+        returned points at."""
+        return code_location(None, self.function)
 
     def _call_trl(self, sample: Sample) -> float | None:
         conversational = not isinstance(sample.prompt, str)
@@ -138,12 +161,15 @@ class RewardFunction:
             "completion_ids": [sample.completion_ids],
         }
         arguments |= {name: [value] for name, value in sample.columns.items() if name not in arguments}
-        values = self.function(**_accepted(self.function, arguments))
+        values = self._call(arguments)
         if isinstance(values, str | bytes) or not hasattr(values, "__len__") or len(values) != 1:
-            raise TypeError(
-                f"reward function {self.name} must return a list with one value per completion, got {values!r}"
-            )
-        return _number(values[0], self.name, allow_none=True)
+            raise UserCodeFailure.returned(self.location, values, "a list with one value per completion")
+        if values[0] is None:
+            return None
+        value = finite_number(values[0])
+        if value is None:
+            raise UserCodeFailure.returned(self.location, values[0], "a finite number (or None: not scored)")
+        return value
 
     def _call_verl(self, sample: Sample) -> tuple[float, dict[str, float]]:
         arguments = {
@@ -152,28 +178,44 @@ class RewardFunction:
             "ground_truth": sample.ground_truth,
             "extra_info": sample.extra_info,
         }
-        result = self.function(**_accepted(self.function, arguments))
-        if not isinstance(result, Mapping):
-            return _number(result, self.name), {}
-        if "score" not in result:
-            raise TypeError(f"reward function {self.name} returned a dict without `score`: {sorted(result)}")
+        result = self._call(arguments)
+        score = result.get("score") if isinstance(result, Mapping) else result
+        if isinstance(result, Mapping) and "score" not in result:
+            raise UserCodeFailure(self.location, f"returned a dict without 'score': {sorted(result)}")
+        value = finite_number(score)
+        if value is None:
+            raise UserCodeFailure.returned(self.location, score, "a finite number")
         extras = {
-            f"{self.name}/{key}": float(value)
-            for key, value in result.items()
-            if key != "score" and isinstance(value, int | float) and math.isfinite(value)
+            f"{self.name}/{key}": float(extra)
+            for key, extra in (result.items() if isinstance(result, Mapping) else ())
+            if key != "score" and isinstance(extra, int | float) and math.isfinite(extra)
         }
-        return _number(result["score"], self.name), extras
+        return value, extras
 
 
 def combine(functions: list[RewardFunction], sample: Sample) -> Reward:
-    """The weighted sum of the functions that apply to `sample`, with every value by name."""
-    total, components = 0.0, {}
+    """The weighted sum of the functions that apply to `sample`, with every value by name.
+
+    Raises `UserCodeFailure` when a function fails, or when none applies (all returned None): such a
+    sample has no reward, and scoring it 0 would train on a reward nobody gave."""
+    total, components, applied = 0.0, {}, False
     for function in functions:
         value, extras = function(sample)
         components |= extras
         if value is not None:
             components[function.name] = value
             total += function.weight * value
+            applied = True
+    if not applied:
+        if len(functions) == 1:
+            raise UserCodeFailure(
+                functions[0].location,
+                "returned None (not scored) and no other reward function scored the completion: it has no reward",
+            )
+        every = ", ".join(f"{f.name} ({f.location})" for f in functions)
+        raise UserCodeFailure(
+            None, f"every reward function returned None (not scored): {every}; it has no reward"
+        )
     return Reward(total, components)
 
 
@@ -206,11 +248,14 @@ def _accepted(function: Callable[..., Any], arguments: dict[str, Any]) -> dict[s
     return {name: value for name, value in arguments.items() if name in names}
 
 
-def _number(value: Any, name: str, *, allow_none: bool = False) -> float | None:
-    if allow_none and (value is None or (isinstance(value, float) and math.isnan(value))):
-        return None  # TRL's spelling of "does not apply" is None, which it turns into NaN
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite real number (a bool, int or float, or a numpy or torch
+    scalar), else None; a string is not a number, whatever it spells."""
+    if not isinstance(value, bool | int | float) and hasattr(value, "item"):  # a numpy or torch scalar
+        try:
+            value = value.item()
+        except (TypeError, ValueError):  # an array of several values
+            return None
     if isinstance(value, bool | int | float) and math.isfinite(value):
         return float(value)
-    if hasattr(value, "item"):  # a numpy or torch scalar
-        return _number(value.item(), name, allow_none=allow_none)
-    raise TypeError(f"reward function {name} returned {value!r}; expected a finite number")
+    return None

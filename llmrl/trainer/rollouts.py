@@ -13,6 +13,9 @@ advantages and picks the rollouts that reach the loss:
 `RolloutPipeline` refuses a batch in which too many rollouts failed in inference
 (`inference_failure`): such a batch says more about a dead server than about the policy, so it is
 neither banked nor trained on; `InferenceUnavailableError` stops the run, and a rerun regenerates it.
+It refuses the same way a batch whose rollouts all failed in the user's code, or one that takes the
+share of such failures over the last steps past `max_user_failure_frac` (`UserCodeFailures`): the
+run stops with `UserCodeError`, naming the failure to fix, rather than train on what is left.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import contextvars
 import datetime
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,12 +33,13 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from llmrl.agents.base import failed_in_inference
+from llmrl.agents.base import failed_in_inference, failed_in_user_code
 from llmrl.agents.multi_task import WeightedMultiTask
 from llmrl.algorithms.advantages import group_advantages
 from llmrl.algorithms.losses import loss_normalizer
 from llmrl.algorithms.shaping import soft_overlong_penalty
 from llmrl.config import AlgorithmConfig
+from llmrl.errors import UserCodeError
 from llmrl.inference.interface import InferenceInterface, InferenceUnavailableError, run_in_new_loop
 from llmrl.trainer.bank import BankedBatch, RolloutBank
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
@@ -76,6 +80,53 @@ def inference_failure(groups: Sequence[RolloutGroup], max_frac: float | None) ->
         return None
     reason = next(r.failure_reason for g in groups for r in g.rollouts if failed_in_inference(r))
     return f"{count} of {total} rollouts failed in inference ({reason})"
+
+
+class UserCodeFailures:
+    """The share of rollouts that failed in the user's code over a run's last batches, and when it is
+    too high to go on: every rollout of a batch, or more than `max_frac` of the last `steps` batches'
+    rollouts together (None: only the former)."""
+
+    def __init__(self, max_frac: float | None, steps: int = 3):
+        self.max_frac = max_frac
+        self._recent: deque[tuple[int, int, Counter[str]]] = deque(maxlen=steps)
+        """Per batch: its step, its number of rollouts, and its user-code failures by `_failure_key`."""
+
+    def stop_line(self, step: int, groups: Sequence[RolloutGroup]) -> str | None:
+        """Why the run must stop before training on `groups` (the batch of `step`), or None: counts the
+        batch in when it may be trained on."""
+        rollouts = [r for g in groups for r in g.rollouts]
+        failures = Counter(_failure_key(r) for r in rollouts if failed_in_user_code(r))
+        failed = sum(failures.values())
+        if rollouts and failed == len(rollouts):
+            return _stop_line(f"all {failed} rollouts of step {step}", step, failures)
+        self._recent.append((step, len(rollouts), failures))
+        if self.max_frac is None or len(self._recent) < (self._recent.maxlen or 0):
+            return None
+        total = sum(size for _, size, _ in self._recent)
+        in_window = sum((counts for _, _, counts in self._recent), Counter())
+        failed = sum(in_window.values())
+        if failed <= self.max_frac * total:
+            return None
+        self._recent.pop()  # not trained on: a rerun draws this batch again
+        first = self._recent[0][0] if self._recent else step
+        share = (
+            f"{failed} of {total} rollouts of steps {first}-{step} "
+            f"(more than training.max_user_failure_frac={self.max_frac})"
+        )
+        return _stop_line(share, step, in_window)
+
+
+def _failure_key(rollout: TokenRollout) -> str:
+    return f"{rollout.env_id}: {rollout.failure_reason}"
+
+
+def _stop_line(share: str, step: int, failures: Counter[str]) -> str:
+    (most_often, count), *_ = failures.most_common(1)
+    return (
+        f"user code failed in {share}; step {step} was not trained on (fix the code and rerun the same "
+        f"command to resume); most often, {count} times: {most_often}"
+    )
 
 
 @dataclass
@@ -217,6 +268,7 @@ class RolloutPipeline:
         last_step: int,
         bank: RolloutBank,
         max_inference_failure_frac: float | None = None,
+        max_user_failure_frac: float | None = None,
     ):
         self.agents = agents
         self.inference = inference
@@ -227,7 +279,9 @@ class RolloutPipeline:
         self.last_step = last_step
         self.bank = bank
         self.max_inference_failure_frac = max_inference_failure_frac
-        self._refused: InferenceUnavailableError | None = None  # later batches are not drawn after one
+        self.user_code_failures = UserCodeFailures(max_user_failure_frac)
+        # Later batches are not drawn after a refused one.
+        self._refused: InferenceUnavailableError | UserCodeError | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-rollouts")
         self._batches: dict[int, Future[list[RolloutGroup]] | None] = {}  # None: not drawn yet (lag 0)
         self._state_after: dict[int, dict[str, Any]] = {}  # agents' state right after drawing batch t
@@ -307,6 +361,10 @@ class RolloutPipeline:
             self._refused = InferenceUnavailableError(
                 unavailable_line(self.inference, f"batch of step {step}: {failure}", started)
             )
+            raise self._refused
+        stop_line = self.user_code_failures.stop_line(step, groups)
+        if stop_line is not None:
+            self._refused = UserCodeError(stop_line)
             raise self._refused
         state = self.agents.state_dict()
         self.bank.append(BankedBatch(step=step, groups=groups, agent_state=state))

@@ -268,6 +268,7 @@ class Trainer:
             last_step=training.steps,
             bank=RolloutBank(self.run_dir),
             max_inference_failure_frac=training.max_inference_failure_frac,
+            max_user_failure_frac=training.max_user_failure_frac,
         )
 
     def _train_step(self, step: int) -> dict[str, float]:

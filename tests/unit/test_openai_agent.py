@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -256,7 +257,10 @@ def test_a_program_that_raises_becomes_a_counted_placeholder(programs, data_file
     inference = CraftedInference(agent.tokenizer, lambda i, prompt: "ok")
     rollouts = draw(agent, inference, group_size=2).rollouts
     assert [r.status for r in rollouts] == ["placeholder"] * 2
-    assert rollouts[0].failure_reason == "program: RuntimeError: the program broke"
+    assert re.fullmatch(
+        r"program: \S+test_programs\.py:\d+ in raises: RuntimeError: the program broke",
+        rollouts[0].failure_reason,
+    )
     assert agent.pop_metrics() == {"failures/program": 2.0, "placeholders": 2.0}
 
 

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from llmrl import registry
+from llmrl.errors import UserCodeFailure
 from llmrl.rewards import RewardFunction, Sample, combine, default_compute_score, normalize_dapo_answer
 from llmrl.rewards.scorers import gsm8k_flexible
 
@@ -149,13 +150,16 @@ def test_bad_entries_are_errors_that_name_the_entry(entry, message):
 
 
 def test_bad_return_values_raise():
-    with pytest.raises(TypeError, match="one value per completion"):
+    with pytest.raises(UserCodeFailure, match="one value per completion"):
         RewardFunction.from_config(lambda completions, **kw: 1.0, "r")(sample())
-    with pytest.raises(TypeError, match="expected a finite number"):
+    with pytest.raises(UserCodeFailure, match="expected a finite number"):
         RewardFunction.from_config(lambda completions, **kw: ["high"], "r")(sample())
-    with pytest.raises(TypeError, match="without `score`"):
+    with pytest.raises(UserCodeFailure, match="without 'score'"):
         RewardFunction.from_config(lambda solution_str, **kw: {"acc": 1}, "r")(sample())
-    assert RewardFunction.from_config(lambda completions, **kw: [math.nan], "r")(sample()) == (None, {})
+    with pytest.raises(
+        UserCodeFailure, match="returned nan; expected a finite number"
+    ):  # None means not scored
+        RewardFunction.from_config(lambda completions, **kw: [math.nan], "r")(sample())
 
 
 def test_plugin_functions_resolve_only_from_plugin_modules(tmp_path, monkeypatch):
