@@ -90,9 +90,9 @@ def find_evaluated_model(path_or_spec: str) -> EvaluatedModel:
     path = Path(path_or_spec)
     if not path.is_dir():
         return EvaluatedModel(description=path_or_spec, name=path_or_spec, spec=path_or_spec)
+    if path.name in (ADAPTER_FOLDER, "model") and ckpt.checkpoint_step(path.parent) is not None:
+        return _checkpoint_model(path_or_spec, path.parent, latest=False)
     if (path / ADAPTER_CONFIG).is_file():
-        if path.name == ADAPTER_FOLDER and ckpt.checkpoint_step(path.parent) is not None:
-            return _checkpoint_model(path_or_spec, path.parent, latest=False)
         return _adapter_model(path_or_spec, path)
     if ckpt.checkpoint_step(path) is not None:
         return _checkpoint_model(path_or_spec, path, latest=False)

@@ -257,8 +257,10 @@ def test_eval_of_a_trained_run_folder(tmp_path, tiny_model_path):
     )
     assert result.returncode == 0, result.stderr
     assert "pass@1" in result.stdout
-    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
-    assert report["model"] == str(tmp_path / "run" / "checkpoints" / "step_000001" / "model")
+    # The results land in the evaluated run's folder, not in the config's run_dir.
+    assert not (tmp_path / "eval").exists()
+    report = json.loads((tmp_path / "run" / "eval-step_000001.json").read_text())
+    assert report["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "step_000001")
     exported = llmrl("export", str(tmp_path / "run"), str(tmp_path / "hf"), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
