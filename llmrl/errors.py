@@ -79,7 +79,7 @@ def code_location(error: BaseException | None, code: Callable[..., Any] | None =
     if own:
         (entry, _), (deepest, line) = own[0], own[-1]
         where = f"{_shown_path(deepest.co_filename)}:{line} in {_name(deepest)}"
-        return where if entry is deepest else f"{where} (called by {_name(entry)})"
+        return where if _name(entry) == _name(deepest) else f"{where} (called by {_name(entry)})"
     body = _code_of(code) if code is not None else None
     if body is None:
         return None
@@ -87,8 +87,12 @@ def code_location(error: BaseException | None, code: Callable[..., Any] | None =
 
 
 def _name(body: CodeType) -> str:
-    """The function's qualified name, without the ``<locals>`` of functions defined in functions."""
-    return body.co_qualname.replace(".<locals>.", ".")
+    """The function's qualified name, without the ``<locals>`` of functions defined in functions; a
+    comprehension is named as the function it is written in (Python 3.11 runs it as a function)."""
+    name = body.co_qualname.replace(".<locals>.", ".")
+    for comprehension in (".<listcomp>", ".<genexpr>", ".<dictcomp>", ".<setcomp>"):
+        name = name.removesuffix(comprehension)
+    return name
 
 
 def _is_users(filename: str) -> bool:

@@ -47,6 +47,10 @@ def second_number(text):
 
 def parsing_fn(completions, **kwargs):
     return [float(second_number(c[0]["content"])) for c in completions]
+
+
+def text_fn(completions, **kwargs):  # conversational completions are message lists, not text
+    return [1.0 if c.startswith("4") else 0.0 for c in completions]
 """
 
 PROGRAMS = """
@@ -144,12 +148,30 @@ def test_none_is_not_scored_when_another_function_scores_the_completion(rewards,
     ] * 4
 
 
-def test_a_raising_reward_function_points_at_its_own_line_and_names_the_function(rewards, data_file, caplog):
-    agent = dataset_agent(data_file, "parsing_fn")
+@pytest.mark.parametrize(
+    ("function", "line", "where", "error"),
+    [
+        (
+            "parsing_fn",
+            "return int(",
+            "second_number (called by parsing_fn)",
+            "IndexError: list index out of range",
+        ),
+        (
+            "text_fn",
+            'c.startswith("4")',
+            "text_fn",
+            "AttributeError: 'list' object has no attribute 'startswith'",
+        ),
+    ],
+)
+def test_a_raising_reward_function_points_at_its_own_line_and_names_the_function(
+    rewards, data_file, caplog, function, line, where, error
+):
+    agent = dataset_agent(data_file, function)
     with caplog.at_level(logging.WARNING):
         groups = asyncio.run(agent.group_rollouts(ScriptedInference("four"), 2, 2))
-    where = f"{rewards.path}:{rewards.line('return int(')} in second_number (called by parsing_fn)"
-    reason = f"reward: {where}: IndexError: list index out of range"
+    reason = f"reward: {rewards.path}:{rewards.line(line)} in {where}: {error}"
     assert reasons(groups) == [reason] * 4
     assert warnings(caplog) == [f"sums: {reason} (x4 this step)"]
 
