@@ -117,40 +117,21 @@ def reasons(groups: list[RolloutGroup]) -> list[str | None]:
 # ---- reward functions ----------------------------------------------------------------------------
 
 
+NOT_A_NUMBER = "expected a finite number (or None: not scored)"
+
+
 @pytest.mark.parametrize(
-    ("function", "detail"),
-    [
-        ("str_fn", "returned '1.0'; expected a finite number (or None: not scored)"),
-        ("nan_fn", "returned nan; expected a finite number (or None: not scored)"),
+    ("function", "line", "where", "detail"),
+    [  # what it returned: where it is defined
+        ("str_fn", "def str_fn(", "str_fn", f"returned '1.0'; {NOT_A_NUMBER}"),
+        ("nan_fn", "def nan_fn(", "nan_fn", f"returned nan; {NOT_A_NUMBER}"),
         (
+            "none_fn",
+            "def none_fn(",
             "none_fn",
             "returned None (not scored) and no other reward function scored the completion: it has no reward",
         ),
-    ],
-)
-def test_a_reward_function_without_a_number_fails_its_rollouts_at_its_definition_logged_once(
-    rewards, data_file, caplog, function, detail
-):
-    agent = dataset_agent(data_file, function)
-    with caplog.at_level(logging.WARNING):
-        groups = asyncio.run(agent.group_rollouts(ScriptedInference("4"), 3, 4))
-    reason = f"reward: {rewards.path}:{rewards.line(f'def {function}(')} in {function}: {detail}"
-    assert reasons(groups) == [reason] * 12
-    assert warnings(caplog) == [f"sums: {reason} (x12 this step)"]
-    assert agent.pop_metrics() == {"failures/reward": 12.0, "placeholders": 12.0}
-
-
-def test_none_is_not_scored_when_another_function_scores_the_completion(rewards, data_file):
-    agent = dataset_agent(data_file, "none_fn", "length")
-    groups = asyncio.run(agent.group_rollouts(ScriptedInference("4 or 5"), 2, 2))
-    assert [(r.status, r.reward, r.reward_components) for g in groups for r in g.rollouts] == [
-        ("ok", 6.0, {"length": 6.0})
-    ] * 4
-
-
-@pytest.mark.parametrize(
-    ("function", "line", "where", "error"),
-    [
+        # what it raised: the line that raised, and the function called when that is another one
         (
             "parsing_fn",
             "return int(",
@@ -165,15 +146,24 @@ def test_none_is_not_scored_when_another_function_scores_the_completion(rewards,
         ),
     ],
 )
-def test_a_raising_reward_function_points_at_its_own_line_and_names_the_function(
-    rewards, data_file, caplog, function, line, where, error
+def test_a_failing_reward_function_fails_its_rollouts_at_its_line_logged_once_per_step(
+    rewards, data_file, caplog, function, line, where, detail
 ):
     agent = dataset_agent(data_file, function)
     with caplog.at_level(logging.WARNING):
-        groups = asyncio.run(agent.group_rollouts(ScriptedInference("four"), 2, 2))
-    reason = f"reward: {rewards.path}:{rewards.line(line)} in {where}: {error}"
-    assert reasons(groups) == [reason] * 4
-    assert warnings(caplog) == [f"sums: {reason} (x4 this step)"]
+        groups = asyncio.run(agent.group_rollouts(ScriptedInference("four"), 3, 4))
+    reason = f"reward: {rewards.path}:{rewards.line(line)} in {where}: {detail}"
+    assert reasons(groups) == [reason] * 12
+    assert warnings(caplog) == [f"sums: {reason} (x12 this step)"]
+    assert agent.pop_metrics() == {"failures/reward": 12.0, "placeholders": 12.0}
+
+
+def test_none_is_not_scored_when_another_function_scores_the_completion(rewards, data_file):
+    agent = dataset_agent(data_file, "none_fn", "length")
+    groups = asyncio.run(agent.group_rollouts(ScriptedInference("4 or 5"), 2, 2))
+    assert [(r.status, r.reward, r.reward_components) for g in groups for r in g.rollouts] == [
+        ("ok", 6.0, {"length": 6.0})
+    ] * 4
 
 
 def test_each_step_logs_its_failures_once_dynamic_sampling_rounds_included(rewards, data_file, caplog):
@@ -184,10 +174,7 @@ def test_each_step_logs_its_failures_once_dynamic_sampling_rounds_included(rewar
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
             asyncio.run(agents.group_rollouts(inference, 2, 2))
-    reason = (
-        f"reward: {rewards.path}:{rewards.line('def str_fn(')} in str_fn: "
-        "returned '1.0'; expected a finite number (or None: not scored)"
-    )
+    reason = f"reward: {rewards.path}:{rewards.line('def str_fn(')} in str_fn: returned '1.0'; {NOT_A_NUMBER}"
     # Each step: 2 groups of 2, drawn again twice because failed groups carry no signal.
     assert warnings(caplog) == [f"sums: {reason} (x12 this step)"] * 2
 
