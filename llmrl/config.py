@@ -755,8 +755,10 @@ def _found_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
         return value
 
     def located_plugin(entry: Any) -> Any:
-        if not isinstance(entry, str) or entry.endswith(".py") or not entry.isidentifier():
+        if not isinstance(entry, str) or entry.endswith(".py"):
             return located(entry)
+        if not entry.isidentifier():  # a dotted module name: from the import path or the working directory
+            return entry
         for candidate in (folder / f"{entry}.py", folder / entry / "__init__.py"):
             if candidate.is_file():
                 return str(candidate)

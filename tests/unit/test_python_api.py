@@ -18,7 +18,7 @@ from llmrl.api import run_config
 from llmrl.cli import main
 from llmrl.config import ConfigError, config_from_dict, describe_python_object, dump_config, load_config
 from llmrl.envs.arithmetic import ArithmeticAgent
-from llmrl.registry import RegistryError, import_plugins
+from llmrl.registry import RegistryError, import_plugins, resolve_function
 from llmrl.trainer.checkpoint import TRAINER_STATE, checkpoint_to_resume
 
 QUICK = {
@@ -231,6 +231,25 @@ def test_paths_in_a_config_file_resolve_beside_it(config_folder):
     assert config.run_dir == "runs/demo"  # the run folder stays relative to the working directory
     import_plugins(config.plugins)
     assert len(build_agents(config.environments).agents[0].prompts()) == 4
+
+
+def test_a_plugin_package_beside_the_config_file_is_imported_as_a_package(config_folder):
+    package = config_folder / "rf_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("from rf_package.scores import exact\n")
+    (package / "scores.py").write_text("def exact(completions, answer, **kwargs):\n    return [1.0]\n")
+    config = load_config(config_folder / "run.yaml", ["plugins=[rf_package]"])
+    assert config.plugins == ["rf_package"]  # --set values are relative to the working directory
+    data = yaml.safe_load((config_folder / "run.yaml").read_text()) | {"plugins": ["rf_package"]}
+    (config_folder / "run.yaml").write_text(yaml.safe_dump(data))
+    config = load_config(config_folder / "run.yaml")
+    assert config.plugins == [str(package / "__init__.py")]
+    try:
+        import_plugins(config.plugins)
+        assert resolve_function("rf_package:exact") is resolve_function("rf_package.scores:exact")
+    finally:
+        sys.modules.pop("rf_package", None)
+        sys.modules.pop("rf_package.scores", None)
 
 
 def test_a_plugin_module_is_found_in_the_working_directory(config_folder, monkeypatch):
