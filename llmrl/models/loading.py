@@ -1,7 +1,10 @@
 """`load_model(spec) -> (model, tokenizer)`: the one way llmrl turns a model spec into weights.
 
 A spec is ``tiny://NAME`` (a model of `llmrl.models.tiny` shipped inside the package), a local
-folder written by `save_pretrained`, or a Hugging Face hub id handed to `transformers` as is.
+folder written by `save_pretrained`, or a Hugging Face hub id handed to `transformers` as is. A hub id
+loads from the local cache alone while the hub cannot be reached (one quick request says so,
+`_unreachable_hub`): huggingface_hub would otherwise retry every file it looks for, with growing
+waits, before the same error.
 
 Models with a feature llmrl cannot reproduce exactly between its inference engine and its
 trainer are refused here, before their weights load (`check_supported`), rather than after a first
@@ -10,8 +13,10 @@ generation or a first training step.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -60,6 +65,42 @@ def resolve_model_spec(spec: str) -> str:
             f"{', '.join(TINY_SCHEME + n for n in sorted(TINY_MODELS))}"
         )
     return spec
+
+
+def _hub_options(source: str) -> dict[str, Any]:
+    """`from_pretrained`'s options for the folder or hub id `source`: the local cache alone for a hub id
+    while the hub cannot be reached."""
+    return {"local_files_only": True} if _offline_reason(source) else {}
+
+
+def _offline_reason(source: str) -> str | None:
+    """Why the hub id `source` loads from the local cache alone, or None (a folder, or a reachable hub)."""
+    return None if Path(source).is_dir() else _unreachable_hub()
+
+
+@functools.cache
+def _unreachable_hub() -> str | None:
+    """Why the Hugging Face hub cannot be reached (asked once per process, within huggingface_hub's own
+    metadata timeout), or None: it answers, or huggingface_hub is offline already (``HF_HUB_OFFLINE``)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:  # through huggingface_hub's own client, with its proxies and certificates
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as exc:  # whatever keeps an answer from coming: the hub is out of reach
+        return f"{constants.ENDPOINT} cannot be reached: {exc or type(exc).__name__}"
+    return None
+
+
+def _load_error(spec: str, source: str, what: str, exc: OSError) -> ModelSpecError:
+    unreachable = _offline_reason(source)
+    if unreachable:
+        return ModelSpecError(
+            f"model spec {spec!r}: cannot load its {what}: not in the local cache, and {unreachable}"
+        )
+    return ModelSpecError(f"model spec {spec!r}: cannot load its {what}: {exc}")
 
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -118,9 +159,11 @@ def load_tokenizer(spec: str, *, trust_remote_code: bool = False) -> PreTrainedT
     """The tokenizer of model `spec`; it always has a pad token (its eos token when it has none)."""
     source = resolve_model_spec(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=trust_remote_code, **_hub_options(source)
+        )
     except OSError as exc:  # unreachable hub, unknown repo, or a folder without tokenizer files
-        raise ModelSpecError(f"model spec {spec!r}: cannot load its tokenizer: {exc}") from exc
+        raise _load_error(spec, source, "tokenizer", exc) from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelSpecError(f"model spec {spec!r}: its tokenizer has neither a pad nor an eos token")
@@ -154,9 +197,11 @@ def load_model(
     source = resolve_model_spec(spec)
     tokenizer = load_tokenizer(spec, trust_remote_code=trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            source, trust_remote_code=trust_remote_code, **_hub_options(source)
+        )
     except OSError as exc:
-        raise ModelSpecError(f"model spec {spec!r}: cannot load its config: {exc}") from exc
+        raise _load_error(spec, source, "config", exc) from exc
     check_supported(config, attn_implementation)
     if torch.device(device).type == "meta":
         with torch.device("meta"):
@@ -167,13 +212,17 @@ def load_model(
                 trust_remote_code=trust_remote_code,
             )
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            config=config,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                config=config,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                **_hub_options(source),
+            )
+        except OSError as exc:  # the weights: not in the cache, or gone from the folder
+            raise _load_error(spec, source, "weights", exc) from exc
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
