@@ -96,7 +96,7 @@ class CodeAgent(DatasetAgent):
         """
         Args:
             data_files / eval_data_files: local data (default: the small MBPP-format fixture shipped
-                with llmrl, unless `path` names a hub dataset).
+                with llmrl, unless `path` names a hub dataset or `dataset` is given).
             answer_column: the tests: a list of snippets, or one string of test code.
             setup_column: code run before the solution (MBPP's ``test_setup_code``), if any.
             prompt_template: may use ``{tests}``, the tests one per line.
@@ -111,7 +111,7 @@ class CodeAgent(DatasetAgent):
         self.reward_mode = reward_mode
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
-        if data_files is None and kwargs.get("path") is None:
+        if data_files is None and kwargs.get("path") is None and kwargs.get("dataset") is None:
             data_files = packaged_data("mbpp_train.jsonl")
             eval_data_files = eval_data_files or packaged_data("mbpp_test.jsonl")
         # The reward waits for a whole sandbox run (plus process start-up on a busy machine).

@@ -43,7 +43,7 @@ class MathAgent(DatasetAgent):
         """
         Args:
             data_files / eval_data_files: local data (default: the small fixture shipped with llmrl,
-                unless `path` names a hub dataset).
+                unless `path` names a hub dataset or `dataset` is given).
             truncation_penalty / trailing_penalty: subtracted from the reward (see the module docstring).
             **kwargs: `DatasetAgent` options (path, split, system_prompt, chat, eval_size, ...).
         """
@@ -51,7 +51,7 @@ class MathAgent(DatasetAgent):
             raise ValueError("truncation_penalty and trailing_penalty must be >= 0")
         self.truncation_penalty = truncation_penalty
         self.trailing_penalty = trailing_penalty
-        if data_files is None and kwargs.get("path") is None:
+        if data_files is None and kwargs.get("path") is None and kwargs.get("dataset") is None:
             data_files = packaged_data(self.default_data[0])
             eval_data_files = eval_data_files or packaged_data(self.default_data[1])
         super().__init__(

@@ -276,3 +276,16 @@ def test_a_path_missing_beside_the_config_stays_relative_to_the_working_director
 def test_set_reaches_a_list_item_by_number_or_in_brackets(key, capsys):
     assert main(["config", "show", "--set", f"{key}=3"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["environments"][0]["agent_args"]["digits"] == 3
+
+
+def test_the_math_agent_trains_on_a_dataset_object_instead_of_its_fixture():
+    import datasets
+
+    from llmrl.envs.math import MathAgent
+
+    rows = datasets.Dataset.from_list(
+        [{"problem": "1 + 1?", "solution": "\\boxed{2}"}, {"problem": "2 + 2?", "solution": "\\boxed{4}"}]
+    )
+    agent = MathAgent(dataset=rows)
+    assert [p.row["problem"] for p in agent.prompts()] == ["1 + 1?", "2 + 2?"]
+    assert agent.eval_prompts() is None  # no fixture's evaluation split beside the user's data
