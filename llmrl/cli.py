@@ -126,6 +126,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmrl.evaluation import summary_table
     from llmrl.inference import InferenceUnavailableError
     from llmrl.trainer import Trainer
+    from llmrl.trainer.run_folder import RunFolderWriteError
+    from llmrl.trainer.trainer import AlreadyTrainedError
 
     config = _load(args)
     try:
@@ -133,9 +135,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         if trainer.resumed and trainer.is_main:
             print(f"resuming {config.run_dir} from its checkpoint at step {trainer.step}")
         summary = trainer.run()
+    except AlreadyTrainedError as exc:
+        print(exc)
+        return 0
     except InferenceUnavailableError as exc:
         print(f"llmrl train: stopped: {exc}", file=sys.stderr)
         return EXIT_TRY_AGAIN
+    except RunFolderWriteError as exc:  # a full disk, a read-only file system: the message says what is kept
+        print(f"llmrl train: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if not trainer.is_main:  # under torchrun, rank 0 reports
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120)

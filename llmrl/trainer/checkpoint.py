@@ -24,8 +24,9 @@ one process), and a one-process checkpoint's optimizer state is keyed by paramet
 sharded when a multi-process run loads it (`load_optimizer`).
 
 A checkpoint is written into a hidden ``.tmp-...`` folder and renamed into place, so a folder named
-``step_*`` is always complete; leftovers of a killed write are removed on the next save. Only the
-newest `keep_last` checkpoints are kept.
+``step_*`` is always complete; leftovers of a killed write are removed on the next save, those of a
+failed one at once. Only the newest `keep_last` checkpoints are kept, pruned once the new one is in
+place.
 
 A run folder's latest checkpoint is continued by a config that differs from the saved one only in
 `RESUMABLE_CHANGES` (`checkpoint_to_resume`; ``--resume`` accepts any change); a run that starts at
@@ -218,11 +219,16 @@ def start_checkpoint(run_dir: str | Path, step: int) -> Path:
     removed)."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"{_TEMP_PREFIX}*"):  # a save killed half-way
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_partial_checkpoints(run_dir)  # a save killed half-way
     temp = root / f"{_TEMP_PREFIX}step_{step:06d}-{os.getpid()}"
     temp.mkdir()
     return temp
+
+
+def remove_partial_checkpoints(run_dir: str | Path) -> None:
+    """Delete the temporary folders of saves that did not finish (killed, or failed to write)."""
+    for partial in checkpoints_dir(run_dir).glob(f"{_TEMP_PREFIX}*"):
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def write_checkpoint_files(
@@ -255,7 +261,10 @@ def write_checkpoint_files(
 
 def write_run_state(temp: Path, *, trainer_state: dict[str, Any], config_yaml: str) -> None:
     """The trainer state and config of a checkpoint (beside its model folder or adapter)."""
-    torch.save(trainer_state, temp / TRAINER_STATE)
+    # Through a Python file: a failed write (a full disk) then leaves its OSError behind torch's
+    # error, where writing to a path reports only a short write.
+    with open(temp / TRAINER_STATE, "wb") as file:
+        torch.save(trainer_state, file)
     (temp / "config.yaml").write_text(config_yaml)
 
 

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from llmrl.config import RunConfig, dump_config
+from llmrl.files import os_error_behind
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import Distributed
 from llmrl.trainer.lora import ADAPTER_FOLDER
 from llmrl.trainer.policy import PolicyModels
+from llmrl.trainer.run_folder import write_failure
 
 
 class Checkpointer(ABC):
@@ -48,12 +50,27 @@ class Checkpointer(ABC):
         every = self.config.checkpoint.every
         return (every > 0 and step % every == 0) or step == last_step
 
-    @abstractmethod
     def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         """Write the checkpoint of `step`; every rank calls it, and returns once it is in place.
 
         `trainer_state` gives the loop's own state (step, evaluations, the agents' cursors); it is
-        called on the rank that writes the checkpoint alone."""
+        called on the rank that writes the checkpoint alone. A save that fails leaves no partial
+        folder and the checkpoints before it as they were; one that the file system refused (a full
+        disk, a read-only one) raises `RunFolderWriteError`."""
+        try:
+            self._write(step, trainer_state)
+        except Exception as exc:
+            if self.writes:
+                ckpt.remove_partial_checkpoints(self.run_dir)
+            error = os_error_behind(exc)
+            if error is None:
+                raise
+            where = f"the checkpoint of step {step} into {ckpt.checkpoints_dir(self.run_dir)}"
+            raise write_failure(where, error, self.run_dir) from exc
+
+    @abstractmethod
+    def _write(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+        """`save` for this mode."""
 
     def restore(self, folder: Path) -> dict[str, Any]:
         """Put the RNG states and the optimizer (and a sharded checkpoint's weights) of `folder` back;
@@ -77,7 +94,7 @@ class Checkpointer(ABC):
 class FullCheckpointer(Checkpointer):
     """One process: the model folder (and master weights of another dtype), the optimizer in the state."""
 
-    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+    def _write(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         optimizer = (
             {"optimizer": self.optimizer.state_dict()} if self.config.checkpoint.save_optimizer else {}
         )
@@ -98,7 +115,7 @@ class ShardedCheckpointer(Checkpointer):
     """Several processes, every weight trained: every rank writes its shards of the model and
     optimizer; rank 0 writes the Hugging Face folder (gathered weights), the rest, and renames."""
 
-    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+    def _write(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         distributed, models = self.distributed, self.models
         assert distributed is not None
         weights: dict[
@@ -136,7 +153,7 @@ class AdapterCheckpointer(Checkpointer):
     """A LoRA run, the same from any number of processes: the adapters alone (the base is `model.spec`)
     and their optimizer state, gathered whole on every rank (small), written by rank 0."""
 
-    def save(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+    def _write(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         adapters = self.models.adapters
         assert adapters is not None
         weights = adapters.weights()

@@ -9,7 +9,9 @@
 
 with evaluation at the start, every `evaluation.every` steps and at the end, and a checkpoint every
 `checkpoint.every` steps and at the end. A run folder that already holds a checkpoint of the same
-config is resumed from it; see `llmrl.trainer.checkpoint` for what is saved. Resumed runs end with
+config is resumed from it; see `llmrl.trainer.checkpoint` for what is saved. A run holds its folder
+while it trains, so that a second one into it stops at once, and stops with one line, its last
+checkpoint intact, when the folder cannot be written (`llmrl.trainer.run_folder`). Resumed runs end with
 the same weights as uninterrupted ones: every random choice is derived from `config.seed` and the
 step (generation seeds per request, mini-batch order), and the rest of the state is checkpointed.
 
@@ -29,10 +31,12 @@ and the rollout pipeline.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -43,6 +47,8 @@ import transformers
 
 from llmrl.agents import WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, RunConfig
+from llmrl.errors import UserError
+from llmrl.files import os_error_behind
 from llmrl.inference import InferenceInterface, build_inference
 from llmrl.registry import import_plugins
 from llmrl.seeding import derive_seed
@@ -57,8 +63,19 @@ from llmrl.trainer.outputs import RunOutputs, SilentOutputs
 from llmrl.trainer.policy import load_policy, plan_training_memory
 from llmrl.trainer.progress import ProgressDisplay
 from llmrl.trainer.rollouts import RolloutPipeline, prepare_batch, rollout_metrics, staleness_metrics
+from llmrl.trainer.run_folder import RunFolderWriteError, RunLock, write_failure
 from llmrl.trainer.weight_sync import WeightSync, weights_source
 from llmrl.types import GenerationArgs, RolloutGroup
+
+
+class AlreadyTrainedError(Exception):
+    """The run folder's checkpoint is past `training.steps`: there is nothing to train (not an error of
+    the run; the CLI says so and exits with status 0)."""
+
+
+_DISK_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+"""The OS errors of a write that the file system refused (full, over quota, read-only): a run stops on
+them with one line wherever they occur (`write_failure`)."""
 
 
 class Trainer:
@@ -81,17 +98,44 @@ class Trainer:
         self.distributed = Distributed.from_env(device)  # None in one process
         self.is_main = self.distributed is None or self.distributed.is_main
         self.inference: InferenceInterface | None = None  # rank 0's alone
+        self.run_lock: RunLock | None = None  # rank 0's alone
         try:
+            self.run_lock = self._hold_run_dir()
             self._build(config, device, resume)
         except BaseException:
             self._close_inference()
+            self._release_run_dir()
             if self.distributed is not None:  # leave the process group before the interpreter exits
                 self.distributed.close(wait=False)
             raise
 
+    def _hold_run_dir(self) -> RunLock | None:
+        """Rank 0's hold on the run folder (`llmrl.trainer.run_folder`); when another run trains there,
+        or it cannot be written, every rank stops."""
+        lock, refusal = None, None
+        if self.is_main:
+            try:
+                lock = RunLock(self.run_dir)
+            except UserError as exc:
+                refusal = exc
+        if self.distributed is not None:
+            refusal = self.distributed.broadcast_object(refusal)
+        if refusal is not None:
+            raise refusal
+        return lock
+
+    def _release_run_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+
     def _build(self, config: RunConfig, device: str, resume: bool) -> None:
-        self.agents = self._agents() if self.is_main else None  # rank 0 generates
         checkpoint = ckpt.checkpoint_to_resume(config, resume)
+        if checkpoint and checkpoint[0] > config.training.steps:
+            raise AlreadyTrainedError(
+                f"{config.run_dir} already ran {checkpoint[0]} steps (training.steps={config.training.steps}): "
+                "nothing to train; raise training.steps to continue"
+            )
+        self.agents = self._agents() if self.is_main else None  # rank 0 generates
         torch.manual_seed(config.seed)
         if device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.training.tf32
@@ -178,6 +222,15 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to `training.steps`; returns the summary also written to ``summary.json``."""
+        try:
+            return self._run()
+        except Exception as exc:
+            error = os_error_behind(exc)
+            if isinstance(exc, RunFolderWriteError) or error is None or error.errno not in _DISK_REFUSALS:
+                raise
+            raise write_failure(error.filename or str(self.run_dir), error, self.run_dir) from exc
+
+    def _run(self) -> dict[str, Any]:
         steps = self.config.training.steps
         with ExitStack() as stack:
             display, stop_requested = self._start(stack)
@@ -208,6 +261,7 @@ class Trainer:
         config, steps = self.config, self.config.training.steps
         if self.distributed is not None:  # leaves the process group last, whatever happens
             stack.push(self._leave_process_group)
+        stack.callback(self._release_run_dir)  # once nothing writes the run folder any more
         stack.callback(self._close_inference)  # managed servers stop on every exit
         if config.training.deterministic:
             stack.enter_context(_deterministic_algorithms())
@@ -288,7 +342,7 @@ class Trainer:
             update = self.update(
                 batch, torch.Generator().manual_seed(derive_seed(self.config.seed, "order", step))
             )
-            self.scheduler.step()
+            _step_schedule(self.scheduler)
         with tracer.span("sync", step=step):
             # batches generating now must finish on the weights they started with
             if self.pipeline is not None:
@@ -363,6 +417,15 @@ class Trainer:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _step_schedule(schedule: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the LR schedule by one RL step. A step with no signal skips its optimizer step by design
+    (`PolicyUpdate`), and the schedule is a function of the RL step, so it advances regardless; torch
+    warns when that happens on the first step, which here is no mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+        schedule.step()
 
 
 @contextlib.contextmanager
