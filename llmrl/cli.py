@@ -12,7 +12,9 @@ print one clear message and exit with status 2; any other exception is a bug and
 Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
 run whose inference server stops answering exits with 75 and one line saying since when; running
 the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
-exits with 1 and one line naming the failure (`UserCodeError`).
+exits with 1 and one line naming the failure (`UserCodeError`); so does one whose run folder cannot be
+written (a full disk), saying which checkpoint the same command resumes from. A run folder another run
+is training in is refused (2); a run that already ran more steps than asked says so and exits with 0.
 """
 
 from __future__ import annotations

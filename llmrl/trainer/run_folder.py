@@ -101,7 +101,8 @@ class RunLock:
                 return
             del _holds[self._key]
             # Removed while still locked: a run that opens the file after this finds it gone (`_take`).
-            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a folder no longer writable keeps it, unlocked
+                self.path.unlink(missing_ok=True)
             os.close(hold.descriptor)
             for folder in hold.created:
                 with contextlib.suppress(OSError):  # something else was written there: it stays
@@ -166,8 +167,8 @@ def _in_use_message(run_dir: Path, record: bytes) -> str:
         holder = json.loads(record)
         who = f"pid {holder['pid']} on {holder['host']}, since {holder['since']}"
     except (ValueError, KeyError, TypeError):  # the live run has opened the file but not written it yet
-        who = "a run that is just starting"
+        who = "just starting: its pid is not written yet"
     return (
         f"run_dir {run_dir} is in use by a live run ({who}); wait for it to end, stop it, "
-        f"or choose another run_dir"
+        "or choose another run_dir"
     )

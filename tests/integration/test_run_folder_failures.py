@@ -13,39 +13,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmrl.cli import EXIT_FAILED, EXIT_USAGE, main
 from llmrl.telemetry import read_metrics
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.run_folder import LOCK_FILE
+from tests.integration.test_trainer import QUICK, final_weights
 
 pytestmark = pytest.mark.slow
 
-QUICK = [
-    "training.prompts_per_step=8",
-    "evaluation.num_prompts=8",
-    "evaluation.samples_per_prompt=2",
-    "evaluation.ks=[1, 2]",
-    "logging.progress=plain",
-    "logging.tensorboard=false",
-    "training.lr_schedule=constant",
-    "evaluation.at_start=false",
-]
-
 
 def sets(run_dir: Path, *overrides: str) -> list[str]:
-    return [a for o in [f"run_dir={run_dir}", *QUICK, *overrides] for a in ("--set", o)]
+    options = [f"run_dir={run_dir}", *QUICK, "evaluation.at_start=false", *overrides]
+    return [a for o in options for a in ("--set", o)]
 
 
 def logged_steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [row["step"] for row in read_metrics(path)] if path.exists() else []
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    folders = sorted((run_dir / "checkpoints").glob("step_*"))
-    return load_file(folders[-1] / "model" / "model.safetensors")
 
 
 def test_a_second_run_into_a_live_run_folder_is_refused_and_the_first_goes_on(tmp_path, tiny_model_path):
