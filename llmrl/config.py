@@ -330,6 +330,25 @@ class AlgorithmConfig(Section):
     """Bound on redraws of zero-signal groups per step."""
 
 
+class DistillationConfig(Section):
+    """On-policy distillation (docs/algorithms.md): a teacher scores every token the policy samples, and
+    each token's advantage gains `coef * (teacher logprob - policy logprob)`, so that the policy lowers its
+    per-token reverse KL to the teacher. The teacher must share the policy's tokenizer."""
+
+    teacher: str
+    """The teacher: anything `model.spec` takes (`tiny://NAME`, a local folder, a hub id), or a run or
+    checkpoint folder of an earlier llmrl run (its latest checkpoint's model; a LoRA run's adapter merged
+    onto its base)."""
+    coef: float = Field(1.0, gt=0.0)
+    """Weight of the distillation term in each token's advantage."""
+    teacher_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype the teacher is loaded and run in; None: `model.dtype`."""
+    rewards: Literal["add", "ignore"] = "add"
+    """`add`: the environments' group advantages are added to the distillation term (an environment
+    without rewards gives equal rewards, hence zero group advantages, and distillation alone); `ignore`:
+    the teacher alone trains the policy."""
+
+
 class TrainingConfig(Section):
     steps: int = Field(40, ge=0)
     """Number of RL steps (rollout collection + policy update)."""
@@ -471,6 +490,8 @@ class RunConfig(Section):
     """Checkpointing."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics, logs and traces."""
+    distillation: DistillationConfig | None = None
+    """On-policy distillation from a teacher model (`DistillationConfig`); None (absent): off."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -770,6 +791,9 @@ def _found_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     model = data.get("model")
     if isinstance(model, dict) and "spec" in model:
         model["spec"] = located(model["spec"])
+    distillation = data.get("distillation")
+    if isinstance(distillation, dict) and "teacher" in distillation:
+        distillation["teacher"] = located(distillation["teacher"])
     inference = data.get("inference")
     vllm = inference.get("vllm") if isinstance(inference, dict) else None
     if isinstance(vllm, dict) and "python" in vllm:
@@ -816,7 +840,8 @@ def reference_markdown() -> str:
         "`llmrl config show CONFIG` prints a config with all defaults filled in. From Python,",
         "`llmrl.train(config)` takes a file, a mapping or a `RunConfig` (docs/python_api.md).",
         "",
-        "Relative paths of the files a run reads (`plugins`, `model.spec`, `inference.vllm.python`, and an",
+        "Relative paths of the files a run reads (`plugins`, `model.spec`, `distillation.teacher`,",
+        "`inference.vllm.python`, and an",
         f"environment's {', '.join(f'`{name}`' for name in AGENT_INPUT_PATHS)}) resolve against the config",
         "file's folder when the file exists there, otherwise against the working directory. The folders a",
         "run writes (`run_dir`, `inference.weights_dir`) are relative to the working directory.",

@@ -12,6 +12,14 @@ detached (the ratio is exactly 1 and no extra pass is needed); otherwise they co
 pass before the first update. The reference model's logprobs (``kl_beta > 0``) also come from one
 no-grad pass per step: of the reference model, or, with LoRA, of the policy with its adapters off.
 
+With on-policy distillation (`distillation`) the teacher's logprobs come from one more no-grad pass
+(sharded like the reference's), and ``pi_old`` always from its own no-grad pass of the policy: each
+token's advantage becomes its rollout's reward advantage (or 0, `rewards: ignore`) plus
+``coef * (teacher - pi_old)`` (`llmrl.algorithms.distillation`), fixed for the whole step. The policy's
+side is ``pi_old``, not the engine's sampling logprobs: computed by the same forward code as the
+teacher's, it makes a teacher equal to the policy give exactly 0, and the engine's difference from it
+is the trainer/inference mismatch that `is_mode` corrects.
+
 When the loss has no KL or entropy term, a rollout with advantage exactly 0 contributes nothing but
 its share of the denominator, so it skips the forward and backward passes (whole GRPO groups with
 equal rewards are common); the loss and gradient are unchanged. A mini-batch with nothing left to
@@ -35,6 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import lr_scheduler
 
+from llmrl.algorithms.distillation import distillation_advantages, reverse_kl_sums
 from llmrl.algorithms.logprobs import SamplingParams, token_logprobs
 from llmrl.algorithms.losses import LossOptions, policy_loss
 from llmrl.algorithms.packing import (
@@ -48,7 +57,7 @@ from llmrl.algorithms.packing import (
     unit_tokens,
     unpack,
 )
-from llmrl.config import AlgorithmConfig, ConfigError, TrainingConfig
+from llmrl.config import AlgorithmConfig, ConfigError, DistillationConfig, TrainingConfig
 from llmrl.models.shape import ModelShape
 from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
@@ -126,12 +135,17 @@ class PolicyUpdate:
         reference_context: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
         distributed: Distributed | None = None,
         compute_dtype: torch.dtype | None = None,
+        teacher: torch.nn.Module | None = None,
+        distillation: DistillationConfig | None = None,
     ):
         """`compute_dtype`: the dtype forward and backward passes run in, when it is not the dtype of
         the policy's trained parameters (the master weights'): one process runs them under autocast;
         sharded models cast on their own (FSDP2's `MixedPrecisionPolicy`, set by `Distributed.shard`).
         `reference_context`: inside it the policy computes the reference logprobs (LoRA's adapters
-        off), in place of a `reference` model."""
+        off), in place of a `reference` model. `teacher`: the distillation teacher, with its settings
+        `distillation` (both or neither)."""
+        if (teacher is None) != (distillation is None):
+            raise ValueError("a distillation teacher needs its settings, and the settings a teacher")
         self.policy = policy
         self.distributed = distributed
         self.optimizer = optimizer
@@ -143,7 +157,10 @@ class PolicyUpdate:
         self.pad_token_id = pad_token_id
         self.reference = reference
         self.reference_context = reference_context
-        self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0
+        self.teacher = teacher
+        self.distillation = distillation
+        # Distillation gives nearly every token a signal of its own, whatever its rollout's reward advantage.
+        self.skip_zero_advantage = algorithm.kl_beta == 0 and algorithm.entropy_coef == 0 and teacher is None
         shape = ModelShape.of(policy)  # packing's costs: forward FLOPs per token and per attention pair
         self._token_cost, self._pair_cost = shape.token_flops, shape.pair_flops
         # A shared prefix brings its own attention mask, which would drop a sliding window.
@@ -157,9 +174,13 @@ class PolicyUpdate:
         self._reference_forward = (
             reference if distributed is None or reference is None else ShardedCausalLM(reference)
         )
+        self._teacher_forward = (
+            teacher if distributed is None or teacher is None else ShardedCausalLM(teacher)
+        )
 
     def __call__(self, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
-        """Train on `batch`; returns the metrics (token-weighted means over the step)."""
+        """Train on `batch`; returns the metrics (token-weighted means over the step): the loss's, and
+        with distillation the reverse KL to the teacher (`distill/reverse_kl`, `distill/ENV/reverse_kl`)."""
         self._check_lengths(batch)
         self._sampling = sampling_params(
             [r.generation_args or self.generation_args for r in batch.rollouts],
@@ -170,9 +191,14 @@ class PolicyUpdate:
             i for i in range(len(batch)) if not (self.skip_zero_advantage and batch.advantages[i] == 0)
         ]
         is_forwarded = set(forwarded)
-        separate_old = self.training.iterations > 1 or self.training.mini_batches > 1
+        separate_old = (
+            self.training.iterations > 1 or self.training.mini_batches > 1 or self.teacher is not None
+        )
         has_reference = self.reference is not None or self.reference_context is not None
-        with trace_span("logprobs", old=separate_old, reference=has_reference):
+        teacher = None
+        with trace_span(
+            "logprobs", old=separate_old, reference=has_reference, teacher=self.teacher is not None
+        ):
             old = (
                 self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded)
                 if separate_old
@@ -184,8 +210,17 @@ class PolicyUpdate:
             elif self.reference_context is not None:
                 with self.reference_context():
                     ref = self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded)
+            if self.teacher is not None:
+                teacher = self._sequence_logprobs(self._teacher_forward, sequences, masks, forwarded)
         inference = batch.inference_logprobs
         advantages = batch.advantages.to(self.device)
+        token_advantages, distill_metrics = None, {}
+        if teacher is not None:
+            assert old is not None and self.distillation is not None
+            if self.distillation.rewards == "ignore":
+                advantages = torch.zeros_like(advantages)
+            token_advantages = self._distillation_advantages(batch, teacher, old, forwarded)
+            distill_metrics = _reverse_kl_metrics(batch, teacher, old, forwarded)
         totals = _MetricTotals()
         for _ in range(self.training.iterations):
             for mini_batch in self._mini_batches(len(batch), generator):
@@ -201,7 +236,9 @@ class PolicyUpdate:
                     if packed is None:
                         self._idle_pass(self._policy_forward, sequences, masks, chosen[0], backward=True)
                         continue
-                    loss, metrics = self._loss(packed, advantages, normalizer, old, ref, inference)
+                    loss, metrics = self._loss(
+                        packed, advantages, normalizer, old, ref, inference, token_advantages
+                    )
                     loss.backward()
                     totals.add_micro_batch(metrics)
                 grad_norm = self._clip_gradients()
@@ -209,7 +246,7 @@ class PolicyUpdate:
                 totals.add_optimizer_step(grad_norm)
         if self.distributed is not None:
             totals = _MetricTotals.combine(self.distributed.all_gather_object(totals))
-        return totals.result()
+        return totals.result() | distill_metrics
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -327,6 +364,23 @@ class PolicyUpdate:
                         values[i] = per_token
         return values
 
+    def _distillation_advantages(
+        self,
+        batch: RolloutBatch,
+        teacher: list[torch.Tensor | None],
+        old: list[torch.Tensor | None],
+        indices: Sequence[int],
+    ) -> list[torch.Tensor]:
+        """Each sequence's per-token distillation advantages (zeros for those not at `indices`)."""
+        assert self.distillation is not None
+        values = [torch.zeros(len(r.tokens)) for r in batch.rollouts]
+        for i in indices:
+            teacher_i, old_i = teacher[i], old[i]
+            assert teacher_i is not None and old_i is not None
+            mask = torch.tensor(batch.rollouts[i].mask)
+            values[i] = distillation_advantages(teacher_i, old_i, mask, self.distillation.coef)
+        return values
+
     def _loss(
         self,
         packed: PackedBatch,
@@ -335,13 +389,18 @@ class PolicyUpdate:
         old: list[torch.Tensor | None] | None,
         ref: list[torch.Tensor | None] | None,
         inference: list[list[float]] | None,
+        token_advantages: list[torch.Tensor] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """`token_advantages` (distillation): per-token advantages of each sequence, added to its
+        reward advantage."""
         with self._compute():
             logprobs, entropies = token_logprobs(
                 self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
             )
         if self.loss_options.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
+        if token_advantages is not None:  # padding (-1) takes sequence 0's: off the mask, never scored
+            advantages = advantages[packed.sequence_ids.clamp(min=0)] + pack_values(token_advantages, packed)
         return policy_loss(
             logprobs,
             logprobs.detach() if old is None else pack_values(old, packed),
@@ -408,6 +467,26 @@ def sampling_params(args: Sequence[GenerationArgs], names: Sequence[str]) -> flo
         top_p=torch.tensor(top_p, dtype=torch.float32) if any(p < 1.0 for p in top_p) else None,
         min_p=torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
     )
+
+
+def _reverse_kl_metrics(
+    batch: RolloutBatch,
+    teacher: list[torch.Tensor | None],
+    old: list[torch.Tensor | None],
+    indices: Sequence[int],
+) -> dict[str, float]:
+    """Mean over the sampled tokens of ``pi_old - teacher`` (the reverse-KL estimate), over the step and
+    per environment."""
+    sums: dict[str, list[float]] = {}
+    for i in indices:
+        teacher_i, old_i = teacher[i], old[i]
+        assert teacher_i is not None and old_i is not None
+        total, count = reverse_kl_sums(teacher_i, old_i, torch.tensor(batch.rollouts[i].mask))
+        for key in ("distill/reverse_kl", f"distill/{batch.rollouts[i].env_id}/reverse_kl"):
+            running = sums.setdefault(key, [0.0, 0.0])
+            running[0] += total
+            running[1] += count
+    return {key: total / count for key, (total, count) in sums.items() if count}
 
 
 class _MetricTotals:

@@ -1,6 +1,6 @@
 """The models a run trains with, loaded the way its mode needs: the policy (full weights or LoRA
-adapters over a frozen base, in one process or sharded over several), its tokenizer and the KL
-reference; and the memory plan checked before any of them loads.
+adapters over a frozen base, in one process or sharded over several), its tokenizer, the KL
+reference and the distillation teacher; and the memory plan checked before any of them loads.
 
 Loading knows the mode so that the trainer does not: one process loads the model itself, several
 receive their shards of the model rank 0 loads (`Distributed.load_model`); a LoRA run wraps the base
@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 
-from llmrl.config import RunConfig
+from llmrl.config import ConfigError, RunConfig
+from llmrl.errors import UserError
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import Distributed, tied_duplicates
+from llmrl.trainer.evaluated_model import find_evaluated_model
 from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
 from llmrl.trainer.memory import LoraSizes, MemoryPlan, MemorySettings, plan_memory
 
@@ -45,6 +47,8 @@ class PolicyModels:
     """With LoRA and a KL penalty: inside it the policy is the reference."""
     tied_names: set[str]
     """State-dict names aliasing another entry (tied embeddings): sent and saved once, under the first name."""
+    teacher: torch.nn.Module | None = None
+    """The distillation teacher (`distillation.teacher`), frozen; None without distillation."""
 
     def untied_state_dict(self) -> dict[str, torch.Tensor]:
         """One process's policy weights, each tensor once."""
@@ -113,7 +117,47 @@ def load_policy(
         reference=reference,
         reference_context=adapters.disabled if adapters is not None and kl else None,
         tied_names=tied_duplicates(policy),
+        teacher=_load_teacher(load, config, tokenizer) if config.distillation is not None else None,
     )
+
+
+def _load_teacher(load: _Loader, config: RunConfig, tokenizer: Any) -> torch.nn.Module:
+    """`distillation.teacher`, frozen: a run or checkpoint folder stands for its model (a LoRA run's
+    adapter merged onto its base, in a temporary folder removed once loaded). Its tokenizer must be the
+    policy's, or its logprobs would score other tokens than those sampled."""
+    distillation = config.distillation
+    assert distillation is not None
+    dtype = distillation.teacher_dtype or config.model.dtype
+    try:
+        found = find_evaluated_model(distillation.teacher)
+    except UserError as error:
+        raise ConfigError(f"distillation.teacher: {error}") from None
+    with found.served(config.model.model_copy(update={"dtype": dtype})) as settings:
+        teacher, teacher_tokenizer = load(settings.spec, dtype)
+    mismatch = tokenizer_mismatch(tokenizer, teacher_tokenizer)
+    if mismatch is not None:
+        raise ConfigError(
+            f"distillation.teacher: {distillation.teacher}'s tokenizer is not that of model.spec "
+            f"{config.model.spec} ({mismatch}); a teacher must score the very tokens the policy samples"
+        )
+    return teacher.eval().requires_grad_(False)
+
+
+def tokenizer_mismatch(policy_tokenizer: Any, teacher_tokenizer: Any) -> str | None:
+    """How the teacher's tokenizer differs from the policy's, in words, or None when they agree on
+    every token id."""
+    policy_size, teacher_size = len(policy_tokenizer), len(teacher_tokenizer)
+    if policy_size != teacher_size:
+        return f"vocab size {teacher_size} in the teacher, {policy_size} in the policy"
+    policy_tokens = {index: token for token, index in policy_tokenizer.get_vocab().items()}
+    teacher_tokens = {index: token for token, index in teacher_tokenizer.get_vocab().items()}
+    for index in sorted(policy_tokens.keys() | teacher_tokens.keys()):
+        if policy_tokens.get(index) != teacher_tokens.get(index):
+            return (
+                f"token {index} is {teacher_tokens.get(index)!r} in the teacher, "
+                f"{policy_tokens.get(index)!r} in the policy"
+            )
+    return None
 
 
 def _load_with_adapters(

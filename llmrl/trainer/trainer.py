@@ -206,6 +206,8 @@ class Trainer:
             reference_context=models.reference_context,
             distributed=self.distributed,
             compute_dtype=models.compute_dtype,
+            teacher=models.teacher,
+            distillation=config.distillation,
         )
 
     def _restore(self, folder: Path) -> None:
@@ -378,7 +380,10 @@ class Trainer:
             groups, advantages, correct_threshold=self.config.evaluation.correct_threshold
         )
         metrics |= staleness_metrics(groups, trained_version=step - 1)
-        metrics |= {f"train/{key}": value for key, value in update.items()}
+        # The loss's metrics go under train/; distillation's come named (distill/...).
+        metrics |= {
+            key if key.startswith("distill/") else f"train/{key}": value for key, value in update.items()
+        }
         metrics |= {
             "sync/bytes": float(self.weight_sync.bytes_sent),
             "train/lr": learning_rate,
