@@ -78,12 +78,12 @@ def code_location(error: BaseException | None, code: Callable[..., Any] | None =
     own = [(body, line) for body, line in frames if _is_users(body.co_filename)]
     if own:
         (entry, _), (deepest, line) = own[0], own[-1]
-        where = f"{_shown_path(deepest.co_filename)}:{line} in {_name(deepest)}"
+        where = f"{shown_path(deepest.co_filename)}:{line} in {_name(deepest)}"
         return where if _name(entry) == _name(deepest) else f"{where} (called by {_name(entry)})"
     body = _code_of(code) if code is not None else None
     if body is None:
         return None
-    return f"{_shown_path(body.co_filename)}:{body.co_firstlineno} in {_name(body)}"
+    return f"{shown_path(body.co_filename)}:{body.co_firstlineno} in {_name(body)}"
 
 
 def _name(body: CodeType) -> str:
@@ -110,7 +110,8 @@ def _code_of(code: Callable[..., Any]) -> CodeType | None:
     return body if isinstance(body, CodeType) else None
 
 
-def _shown_path(filename: str) -> str:
+def shown_path(filename: str) -> str:
+    """`filename` relative to the working directory when it lies under it, else absolute."""
     path = os.path.abspath(filename)
     relative = os.path.relpath(path)
     return path if relative.startswith(os.pardir) else relative

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from llmrl.errors import UserError
+from llmrl.errors import UserError, shown_path
 
 _BUILTIN_AGENTS: dict[str, str] = {
     "arithmetic": "llmrl.envs.arithmetic:ArithmeticAgent",
@@ -147,7 +147,7 @@ def _failure_in_plugin(module: str, exc: Exception) -> str:
     """``my_rewards.py:3: NameError: ...``: the last line of the plug-in's file on the way to the error
     (whatever it called raised), or the line that does not compile."""
     if isinstance(exc, SyntaxError):  # raised compiling the file: it has no frame
-        return f"{_shown_path(exc.filename or module)}:{exc.lineno}: SyntaxError: {exc.msg}"
+        return f"{shown_path(exc.filename or module)}:{exc.lineno}: SyntaxError: {exc.msg}"
     frames = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
     # The plug-in's file is the first one the import ran that is not the import machinery.
     plugin = next(
@@ -161,17 +161,11 @@ def _failure_in_plugin(module: str, exc: Exception) -> str:
     if plugin is None:
         return f"{module}: {type(exc).__name__}: {exc}"
     line = [line for file, line in frames if file == plugin][-1]
-    return f"{_shown_path(plugin)}:{line}: {type(exc).__name__}: {exc}"
+    return f"{shown_path(plugin)}:{line}: {type(exc).__name__}: {exc}"
 
 
 _IMPORT_MACHINERY = (Path(__file__).parent, Path(importlib.__file__).parent)
 """Where the frames of an import that are not the plug-in's lie: llmrl's and importlib's folders."""
-
-
-def _shown_path(filename: str) -> str:
-    """`filename` relative to the working directory when it lies under it."""
-    path = Path(filename).resolve()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _import_module(name: str) -> str:
