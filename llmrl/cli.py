@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from llmrl.config import RunConfig, dump_config, load_config
+from llmrl.config import ConfigError, RunConfig, dump_config, load_config
 from llmrl.errors import UserCodeError, UserError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 EXIT_TRY_AGAIN = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command may succeed later
+_REEXEC_MARK = "LLMRL_RUN_WITH_VLLM"  # set in a command run again with vLLM's interpreter
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -106,6 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         config = _load(args)
         model = run_model(config.run_dir, config.model.spec)
+    _run_where_vllm_is(config, args)
     environments = [env.name for env in config.environments]
     print(
         f"evaluating {model.description} on {', '.join(environments)}: the first "
@@ -132,6 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmrl.trainer.trainer import AlreadyTrainedError
 
     config = _load(args)
+    _run_where_vllm_is(config, args)
     try:
         trainer = Trainer(config, resume=args.resume)  # its first weight sync may find the server gone
         if trainer.resumed and trainer.is_main:
@@ -159,6 +163,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{env}: sampled accuracy (pass@1) {change}")
     print(f"run folder: {config.run_dir} (metrics.jsonl, curves.png, checkpoints/)")
     return 0
+
+
+def _run_where_vllm_is(config: RunConfig, args: argparse.Namespace) -> None:
+    """Colocated vLLM runs in the trainer's process: when this interpreter lacks vllm, the command
+    runs again, whole, with the one that has it (`VLLMConfig.python`'s search: `.venv-vllm`)."""
+    import importlib.util
+
+    from llmrl.inference.vllm import find_vllm_python
+
+    inference = config.inference
+    if inference.type != "vllm" or inference.vllm.mode != "colocate" or importlib.util.find_spec("vllm"):
+        return
+    python = find_vllm_python(inference.vllm.python)
+    # Not resolved: a virtual environment's python is a link to the same interpreter as others.
+    if os.environ.get(_REEXEC_MARK) or Path(python).absolute() == Path(sys.executable).absolute():
+        raise ConfigError(
+            f"inference.vllm.mode: colocate needs vllm in the trainer's interpreter, and {python} has none: "
+            "run `bash scripts/setup.sh vllm` or set inference.vllm.python"
+        )
+    print(
+        f"llmrl {args.command}: vLLM runs in the trainer's process (inference.vllm.mode: colocate): "
+        f"running with {python}",
+        file=sys.stderr,
+    )
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.environ[_REEXEC_MARK] = "1"
+    os.execv(python, [python, "-m", "llmrl", *args.argv])
 
 
 def _improvement(summary: dict) -> dict[str, str]:
@@ -341,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.handler(args)
     except UserCodeError as exc:  # the run started: what failed is the user's code, not its config

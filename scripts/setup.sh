@@ -47,9 +47,10 @@ install .venv locks/trainer.txt --no-build-isolation -e ".${extras:+[$extras]}"
 echo "llmrl installed in .venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
 
 if $with_vllm; then
-  # vLLM lives in its own environment: its pins (transformers, fastapi) differ from the trainer's, and
-  # its servers are separate processes anyway. llmrl goes in without dependencies, for the module
-  # vLLM loads (llmrl.weights.vllm_worker imports only torch, safetensors, vllm and the narrow modules of llmrl.weights).
+  # vLLM lives in its own environment: its pins (transformers, fastapi) are narrower than the trainer's.
+  # llmrl goes in with all its dependencies at the versions vLLM takes (the vLLM locks hold both), for
+  # the module vLLM loads into its servers (llmrl.weights.vllm_worker) and for a trainer with vLLM
+  # colocated (inference.vllm.mode: colocate), which `llmrl train` runs with this environment's Python.
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     variant=vllm-cuda   # the regular build of vllm, for CUDA
   else
@@ -69,8 +70,8 @@ if $with_vllm; then
     # to load beside this one; vLLM serves text models without them.
     .venv-vllm/bin/python -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec
   fi
-  install .venv-vllm "$lock" --no-build-isolation --no-deps -e .
-  .venv-vllm/bin/python -c "import torch, vllm, llmrl.weights.vllm_worker; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+  install .venv-vllm "$lock" --no-build-isolation -e ".${extras:+[$extras]}"
+  .venv-vllm/bin/python -c "import torch, vllm, llmrl.weights.vllm_worker, llmrl.trainer; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   .venv-vllm/bin/python scripts/check_locked.py "$lock" ${strict[@]+"${strict[@]}"}
-  echo "vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)') installed in .venv-vllm for managed servers ($lock)"
+  echo "vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)') installed in .venv-vllm for managed servers and colocated training ($lock)"
 fi

@@ -339,6 +339,7 @@ class Trainer:
             algorithm=self.config.algorithm,
             max_tokens=self.generation_args.max_tokens,
         )
+        self.weight_sync.before_update()
         with tracer.span("train", step=step, sequences=len(batch)):  # logprobs, loss, optimizer
             learning_rate = self.scheduler.get_last_lr()[0]
             update = self.update(

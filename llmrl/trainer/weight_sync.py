@@ -118,6 +118,11 @@ class WeightSync:
         self.bytes_sent = 0
         """Bytes of the last sync's payload."""
 
+    def before_update(self) -> None:
+        """Tell the inference side that the policy is about to change (`WeightTransport.before_update`)."""
+        if self.transport is not None:
+            self.transport.before_update()
+
     def sync(self, version: int, *, reset: bool = False) -> None:
         """Serve the current weights as `version`. A failure while the inference side is unreachable
         becomes `InferenceUnavailableError` (one line: rerunning resumes)."""

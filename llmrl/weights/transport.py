@@ -36,6 +36,10 @@ class WeightTransport(ABC, Generic[P]):
         is set (a trainer starting or resuming a run owns the sequence); the served version again
         is a no-op for receivers that keep versions."""
 
+    def before_update(self) -> None:
+        """The trainer is about to update the policy (the next `send` follows it): a receiver that
+        shares the trainer's device may release memory until then (colocated vLLM sleeps)."""
+
 
 class WrongPayloadError(WeightSyncError):
     """A payload of a kind the receiving side was not set up for."""

@@ -11,10 +11,12 @@ llmrl installed there without dependencies (``pip install --no-deps``).
   (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), one bucket per
   ``/update_weights``: either the bytes of a safetensors file in the request (``data``, base64:
   the in-memory transport, which needs no GPU and walks the same route sequence as NCCL) or the
-  path of one on a disk both sides read (``path``). Every tensor of a bucket is checked against
-  the served checkpoint (known name, same shape, floating and finite), and nothing is loaded
-  before ``/finish_weight_update`` has the whole checkpoint, so a refused update leaves the served
-  weights untouched (the trainer checks all of this before it sends, too).
+  path of one on a disk both sides read (``path``). A trainer with vLLM in its own process
+  (``inference.vllm.mode: colocate``) makes the same calls with the tensors themselves
+  (``tensors``). Every tensor of a bucket is checked against the served checkpoint (known name,
+  same shape, floating and finite), and nothing is loaded before ``/finish_weight_update`` has the
+  whole checkpoint, so a refused update leaves the served weights untouched (the trainer checks all
+  of this before it sends, too).
 - The **worker extension** adds ``llmrl_server_facts``, called through ``/collective_rpc``: what
   the trainer checks before it trains from a server (logprobs mode, transfer backend, dtype, LoRA
   rank and slots) and the checkpoint's tensor manifest (names, dtypes, shapes) that syncs are
@@ -51,15 +53,19 @@ class LlmrlInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class LlmrlUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: the names it must hold, and its safetensors bytes (base64) or a file path."""
+    """One bucket: the names it must hold, and its safetensors bytes (base64), a file path, or (from a
+    trainer in vLLM's own process, `llmrl.inference.vllm.colocated`) the tensors themselves."""
 
     names: list[str] = field(default_factory=list)
     data: str | None = None
     path: str | None = None
+    tensors: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        if (self.data is None) == (self.path is None):
-            raise ValueError("update_info: give exactly one of `data` (base64 safetensors) and `path`")
+        if sum(part is not None for part in (self.data, self.path, self.tensors)) != 1:
+            raise ValueError(
+                "update_info: give exactly one of `data` (base64 safetensors), `path` and `tensors`"
+            )
 
 
 class LlmrlWeightTransferEngine(WeightTransferEngine[LlmrlInitInfo, LlmrlUpdateInfo]):
@@ -83,7 +89,9 @@ class LlmrlWeightTransferEngine(WeightTransferEngine[LlmrlInitInfo, LlmrlUpdateI
         """Check a bucket and hold it: nothing is loaded before the whole update has arrived, so a
         refused bucket leaves the served weights as they were (vLLM's layerwise reload, once
         started, leaves a model that cannot generate until it is finished)."""
-        if update_info.path is not None:
+        if update_info.tensors is not None:
+            tensors = update_info.tensors
+        elif update_info.path is not None:
             tensors = load_file(update_info.path)
         else:
             assert update_info.data is not None

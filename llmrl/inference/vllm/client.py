@@ -33,6 +33,7 @@ from llmrl.inference.openai import (
     api_key_from_env,
 )
 from llmrl.inference.vllm.adapters import AdapterTransport
+from llmrl.inference.vllm.colocated import ColocatedVLLM
 from llmrl.inference.vllm.compatibility import check_trainable
 from llmrl.inference.vllm.routes import ControlSettings, VLLMRoutes
 from llmrl.inference.vllm.server import VLLMServer, start_servers, temporary_folder
@@ -148,10 +149,13 @@ class VLLMInterface(InferenceInterface):
     @classmethod
     def from_config(
         cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
-    ) -> VLLMInterface:
+    ) -> VLLMInterface | ColocatedVLLM:
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
-        logging to ``run_dir/vllm/`` (a temporary folder without a run)."""
+        logging to ``run_dir/vllm/`` (a temporary folder without a run); with ``vllm.mode: colocate``,
+        an engine in this process (`ColocatedVLLM`)."""
         vllm = config.vllm
+        if vllm.mode == "colocate":
+            return ColocatedVLLM.from_config(config, model, seed=seed, run_dir=run_dir)
         lora_rank = model.lora.rank if model.lora is not None else None
         common = dict(
             config=vllm,

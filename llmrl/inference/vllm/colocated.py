@@ -1,0 +1,461 @@
+"""ColocatedVLLM: vLLM's engine inside the trainer's process (`inference.vllm.mode: colocate`).
+
+The engine is vLLM's `LLMEngine` with its core in this process (no engine process, no HTTP): one
+thread, the driver, owns it and does everything that touches it, in order: it admits the requests
+that `agenerate` queues (each rendered into token ids here, as the embedded engine renders it, so
+vLLM never tokenises a conversation again), steps the engine while any run, and answers each
+request when vLLM finishes it. A weight sync is a job for the same thread, between two steps:
+``pause_mode: wait`` first lets running requests finish on the old weights (new ones wait),
+``abort`` ends them at once (``finish_reason: abort``). The sync itself hands the trainer's tensors
+to llmrl's transfer backend inside vLLM's worker through vLLM's own weight-update calls, which in
+this process pass Python objects by reference: the backend checks every tensor (name, shape, finite
+values) and copies it into vLLM's weights only once the whole update has arrived and passed.
+
+On CUDA the engine can sleep while the trainer updates (`sleep_level`): `ColocatedWeights.before_update`
+puts it to sleep, the next sync wakes its weights, loads the new ones, then wakes its KV cache.
+vLLM's sleep mode exists on CUDA only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import logging
+import os
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
+from llmrl.inference.interface import Health, InferenceInterface, run_sync
+from llmrl.inference.prompts import request_prompt_ids
+from llmrl.types import MAX_POLICY_VERSION, FinishReason, InferenceRequest, InferenceResponse
+from llmrl.weights import (
+    FullWeights,
+    PayloadKind,
+    WeightSyncError,
+    WeightTransport,
+    check_version,
+    transport_for,
+)
+
+log = logging.getLogger(__name__)
+
+_SEED_RANGE = 2**31 - 1
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request from its `agenerate` call until vLLM finishes it."""
+
+    request: InferenceRequest
+    prompt_ids: list[int]
+    future: Future[list[InferenceResponse]]
+    version: int = 0  # of the weights it runs on, set when it is admitted
+
+
+@dataclass(eq=False)
+class _Job:
+    """Work for the driver between two engine steps (a sync, sleep); `drain`: wait until no request runs."""
+
+    run: Callable[[], Any]
+    drain: bool
+    done: Future[Any] = field(default_factory=Future)
+
+
+class ColocatedVLLM(InferenceInterface):
+    """`InferenceInterface` on a vLLM engine in this process, weights synced in memory."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        config: VLLMConfig,
+        seed: int | None = None,
+        policy_version: int = 0,
+    ):
+        """
+        Args:
+            engine: a vLLM `LLMEngine` whose core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+                started with llmrl's transfer backend (`from_config` builds one).
+            tokenizer: the model's tokenizer, which renders every prompt into token ids.
+            config: the vLLM section (`pause_mode`, `sleep_level`).
+            seed: seeds the generator that gives each request without a seed its own (None: from the OS).
+            policy_version: version stamped on responses until the first sync.
+        """
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.transport = ColocatedWeights(self)
+        self._version = policy_version
+        self._seeds = random.Random(seed)
+        self._ids = itertools.count()
+        self._condition = threading.Condition()
+        self._waiting: deque[_Request] = deque()  # guarded by _condition, like _jobs and _closed
+        self._jobs: deque[_Job] = deque()
+        self._closed = False
+        self._running: dict[str, _Request] = {}  # the driver's alone
+        self.sleeping = False  # the driver's alone
+        self._driver = threading.Thread(target=self._drive, name="colocated-vllm", daemon=True)
+        self._driver.start()
+
+    @classmethod
+    def from_config(
+        cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
+    ) -> ColocatedVLLM:
+        """An engine of `model` in this process, on this process's GPU (or the CPU build's cores)."""
+        from llmrl.inference.vllm.server import served_model_path, temporary_folder
+        from llmrl.models import load_tokenizer
+
+        vllm = config.vllm
+        check_colocatable(vllm)
+        folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
+        served = served_model_path(model, folder / "model")
+        engine = start_engine(served, model.dtype, vllm, seed=seed)
+        tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
+        return cls(engine, tokenizer, config=vllm, seed=seed)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def health(self) -> Health:
+        return Health(servers=("vLLM in this process",))
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def agenerate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
+        """Sample `request.n` completions; `ValueError` for a request vLLM refuses (a prompt too long)."""
+        return await asyncio.wrap_future(self.submit(request))
+
+    def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
+        """Blocking form of `agenerate`."""
+        return run_sync(self.agenerate(request))
+
+    def submit(self, request: InferenceRequest | dict[str, Any]) -> Future[list[InferenceResponse]]:
+        """Queue `request` for the driver; the future holds its responses."""
+        if isinstance(request, dict):
+            request = InferenceRequest.model_validate(request)
+        if request.generation_args.seed is None:
+            with self._condition:
+                seed = self._seeds.randrange(_SEED_RANGE)
+            request = request.model_copy(
+                update={"generation_args": request.generation_args.model_copy(update={"seed": seed})}
+            )
+        pending = _Request(request, request_prompt_ids(self.tokenizer, request), Future())
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the colocated vLLM engine is closed")
+            self._waiting.append(pending)
+            self._condition.notify()
+        return pending.future
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def weight_transport(self, kind: PayloadKind) -> WeightTransport[Any]:
+        """Whole weights, handed over in memory (`ColocatedWeights`)."""
+        return transport_for([self.transport], kind, "vLLM colocated in this process")
+
+    def run_job(self, run: Callable[[], Any], *, drain: bool) -> Any:
+        """Run `run` on the driver between two engine steps and return its result; with `drain`, once
+        no request runs (`pause_mode: wait`) or after ending those that do (`abort`)."""
+        job = _Job(run, drain)
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the colocated vLLM engine is closed")
+            self._jobs.append(job)
+            self._condition.notify()
+        return job.done.result()
+
+    def set_version(self, version: int) -> None:
+        """Stamp later admissions with `version` (the driver calls it, after a sync)."""
+        self._version = version
+
+    # -- the driver ------------------------------------------------------------------------------
+
+    def _drive(self) -> None:
+        while True:
+            with self._condition:
+                while not (self._waiting or self._jobs or self._running or self._closed):
+                    self._condition.wait()
+                if self._closed:
+                    break
+                job = self._jobs[0] if self._jobs else None
+                admit = [] if job is not None else list(self._waiting)
+                if job is None:
+                    self._waiting.clear()
+            if job is not None and self._ready_for(job):
+                with self._condition:
+                    self._jobs.popleft()
+                _run_into(job.done, job.run)
+                continue
+            for pending in admit:
+                self._admit(pending)
+            if self._running:
+                self._step()
+        self._fail_all(RuntimeError("the colocated vLLM engine was closed"))
+
+    def _ready_for(self, job: _Job) -> bool:
+        """Whether `job` may run now; in `abort` mode, ends the running requests first."""
+        if not job.drain or not self._running:
+            return True
+        if self.config.pause_mode == "abort":
+            self.engine.abort_request(list(self._running), internal=False)
+            for request_id in list(self._running):
+                self._finish_aborted(request_id)
+            return True
+        return False
+
+    def _admit(self, pending: _Request) -> None:
+        from vllm import SamplingParams
+
+        if pending.future.cancelled():
+            return
+        if self.sleeping:
+            self.wake_up()
+        request_id = f"llmrl-{next(self._ids)}"
+        pending.version = self._version
+        try:
+            params = SamplingParams(**sampling_options(pending.request))
+            self.engine.add_request(request_id, {"prompt_token_ids": pending.prompt_ids}, params)
+        except Exception as exc:  # vLLM refuses the request (too long, bad options): only its caller fails
+            pending.future.set_exception(ValueError(f"vLLM refused the request: {exc}"))
+            return
+        self._running[request_id] = pending  # vLLM's outputs carry this id (its own adds a suffix)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("colocated vLLM failed a step; its requests fail")
+            self._fail_running(exc)
+            return
+        for output in outputs:
+            if output.finished and output.request_id in self._running:
+                pending = self._running.pop(output.request_id)
+                _run_into(pending.future, lambda p=pending, o=output: responses(p, o))
+
+    def _finish_aborted(self, request_id: str) -> None:
+        pending = self._running.pop(request_id)
+        aborted = InferenceResponse(
+            text="",
+            prompt_token_ids=pending.prompt_ids,
+            token_ids=[],
+            logprobs=[],
+            finish_reason="abort",
+            policy_version=pending.version,
+        )
+        pending.future.set_result([aborted] * pending.request.n)
+
+    def _fail_running(self, error: BaseException) -> None:
+        running, self._running = self._running, {}
+        with_ids = list(running)
+        if with_ids:
+            try:
+                self.engine.abort_request(with_ids, internal=False)
+            except Exception:  # noqa: BLE001 (the engine failed already; the callers hear of the first error)
+                log.debug("aborting after a failed step failed too", exc_info=True)
+        for pending in running.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_running(error)
+        with self._condition:
+            waiting, self._waiting = list(self._waiting), deque()
+            jobs, self._jobs = list(self._jobs), deque()
+        for pending in waiting:
+            pending.future.set_exception(error)
+        for job in jobs:
+            job.done.set_exception(error)
+
+    # -- sleep (CUDA) ----------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release the engine's memory (`sleep_level`); the driver calls it with no request running."""
+        if self.config.sleep_level and not self.sleeping:
+            self.engine.sleep(level=self.config.sleep_level)
+            self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of `tags` ("weights", "kv_cache"; None: all) after `sleep`."""
+        if self.sleeping:
+            self.sleeping = not self.engine.wake_up(tags)
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the driver (requests still queued fail) and shut the engine down."""
+        with self._condition:
+            if self._closed:
+                return
+            self._closed = True
+            self._condition.notify()
+        self._driver.join()
+        shutdown = getattr(self.engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> ColocatedVLLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ColocatedWeights(WeightTransport[FullWeights]):
+    """Whole weights into the colocated engine: the trainer's tensors, by reference, bucket by bucket
+    to llmrl's transfer backend in vLLM's worker, which checks them all before it loads any."""
+
+    takes = ("weights",)
+
+    def __init__(self, owner: ColocatedVLLM):
+        self.owner = owner
+
+    def before_update(self) -> None:
+        """The trainer is about to update the policy: with `sleep_level`, the engine sleeps until the
+        next `send` (requests running then finish first)."""
+        if self.owner.config.sleep_level:
+            self.owner.run_job(self.owner.sleep, drain=True)
+
+    def send(self, payload: FullWeights, version: int, *, reset: bool = False) -> None:
+        check_version(version, MAX_POLICY_VERSION)
+        self.owner.run_job(lambda: self._load(payload.buckets(), version), drain=True)
+
+    def _load(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> None:
+        owner, engine = self.owner, self.owner.engine
+        owner.wake_up(["weights"])
+        try:
+            engine.collective_rpc("start_weight_update")
+            for bucket in buckets:
+                engine.collective_rpc("update_weights", args=({"names": list(bucket), "tensors": bucket},))
+            engine.collective_rpc("finish_weight_update")
+        except Exception as exc:
+            raise WeightSyncError(f"weight sync to the colocated vLLM engine failed: {exc}") from exc
+        # Cached prefixes hold keys and values of the old weights.
+        engine.reset_prefix_cache()
+        owner.wake_up(["kv_cache"])
+        owner.set_version(version)
+
+
+def sampling_options(request: InferenceRequest) -> dict[str, Any]:
+    """vLLM `SamplingParams` keyword arguments of `request`: the sampled token's logprob with each
+    token, final outputs only, the request's sampling options as the managed servers get them."""
+    from vllm.sampling_params import RequestOutputKind
+
+    args = request.generation_args
+    return dict(
+        n=request.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k or -1,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        stop=list(args.stop),
+        stop_token_ids=list(args.stop_token_ids),
+        seed=args.seed,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def responses(pending: _Request, output: Any) -> list[InferenceResponse]:
+    """The `InferenceResponse` of each of vLLM's completions of a request, in sample order."""
+    result = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs or [], token_ids, strict=True)
+        ]
+        result.append(
+            InferenceResponse(
+                text=completion.text,
+                prompt_token_ids=pending.prompt_ids,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=_finish_reason(completion.finish_reason),
+                policy_version=pending.version,
+            )
+        )
+    return result
+
+
+def _finish_reason(reason: Any) -> FinishReason:
+    return reason if reason in ("length", "abort") else "stop"
+
+
+def _run_into(future: Future[Any], run: Callable[[], Any]) -> None:
+    if future.cancelled():
+        return
+    try:
+        future.set_result(run())
+    except BaseException as exc:  # noqa: BLE001 (the caller waiting on the future gets it)
+        future.set_exception(exc)
+
+
+def check_colocatable(config: VLLMConfig) -> None:
+    """What a colocated engine needs from this process: vllm, one process (not torchrun's several)
+    and, to sleep, CUDA."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "inference.vllm.mode: colocate runs vLLM in the trainer's process, and this Python has no vllm: "
+            "run with the interpreter of `bash scripts/setup.sh vllm` (.venv-vllm/bin/python); `llmrl train` "
+            "switches to it by itself"
+        )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ConfigError(
+            f"inference.vllm.mode: colocate runs in one process; this is one of {world_size} (torchrun). "
+            "Train under torchrun with managed vLLM servers (mode: servers), or colocate in one process"
+        )
+    if config.sleep_level and not torch.cuda.is_available():
+        raise ConfigError(
+            f"inference.vllm.sleep_level: {config.sleep_level} needs CUDA (vLLM's sleep mode); set 0 on this machine"
+        )
+
+
+def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int) -> Any:
+    """vLLM's `LLMEngine` of `model` (a folder or hub id) with its core in this process, serving
+    processed logprobs (those of the distribution sampled from) and taking weights from llmrl's
+    transfer backend."""
+    # Read by vLLM when the engine starts: its core and the CPU build's KV cache.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
+    os.environ.update(config.env)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from llmrl.inference.vllm.server import EXTENSION_CLASS
+    from llmrl.weights import TRANSFER_BACKEND
+
+    cuda = torch.cuda.is_available()
+    engine_args = EngineArgs(
+        model=model,
+        dtype=dtype,  # vLLM's "auto" serves float32 checkpoints in reduced precision on its CPU build
+        seed=seed,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION_CLASS,
+        weight_transfer_config={"backend": TRANSFER_BACKEND},
+        max_model_len=config.max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_sleep_mode=bool(config.sleep_level),
+        # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps.
+        enable_chunked_prefill=cuda,
+    )
+    return LLMEngine.from_engine_args(engine_args)
+
+
+__all__ = ["ColocatedVLLM", "ColocatedWeights", "check_colocatable", "sampling_options", "start_engine"]
