@@ -166,6 +166,16 @@ def checkpoint_manifest(model: str) -> Manifest:
 class LlmrlWorkerExtension:
     """Methods mixed into vLLM's worker, reachable with ``POST /collective_rpc``."""
 
+    def llmrl_abandon_weight_update(self) -> None:
+        """End a weight update that failed, whatever its stage: vLLM's worker keeps the session of an
+        update refused at its finish open, and refuses every later start."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, LlmrlWeightTransferEngine):
+            engine.pending = {}
+        if getattr(self, "_weight_update_active", False) and engine is not None:
+            engine.reset_weight_update_target()
+            self._weight_update_active = False
+
     def llmrl_server_facts(self) -> dict[str, Any]:
         config = self.vllm_config  # type: ignore[attr-defined]
         transfer = config.weight_transfer_config

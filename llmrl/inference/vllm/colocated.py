@@ -36,7 +36,7 @@ import torch
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
-from llmrl.inference.prompts import request_prompt_ids
+from llmrl.inference.prompts import prompt_token_ids
 from llmrl.types import MAX_POLICY_VERSION, FinishReason, InferenceRequest, InferenceResponse
 from llmrl.weights import (
     FullWeights,
@@ -134,7 +134,7 @@ class ColocatedVLLM(InferenceInterface):
     # -- generation ------------------------------------------------------------------------------
 
     async def agenerate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
-        """Sample `request.n` completions; `ValueError` for a request vLLM refuses (a prompt too long)."""
+        """Sample `request.n` completions; `ValueError` for a request that does not fit (`submit`)."""
         return await asyncio.wrap_future(self.submit(request))
 
     def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
@@ -142,7 +142,8 @@ class ColocatedVLLM(InferenceInterface):
         return run_sync(self.agenerate(request))
 
     def submit(self, request: InferenceRequest | dict[str, Any]) -> Future[list[InferenceResponse]]:
-        """Queue `request` for the driver; the future holds its responses."""
+        """Queue `request` for the driver; the future holds its responses. `ValueError` for a prompt
+        that leaves no room for `max_tokens` in the engine's `max_model_len` (vLLM would cut it short)."""
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
         if request.generation_args.seed is None:
@@ -151,7 +152,11 @@ class ColocatedVLLM(InferenceInterface):
             request = request.model_copy(
                 update={"generation_args": request.generation_args.model_copy(update={"seed": seed})}
             )
-        pending = _Request(request, request_prompt_ids(self.tokenizer, request), Future())
+        model = self.engine.model_config
+        prompt_ids = prompt_token_ids(
+            self.tokenizer, request, context=model.max_model_len, vocab_size=model.get_vocab_size()
+        )
+        pending = _Request(request, prompt_ids, Future())
         with self._condition:
             if self._closed:
                 raise RuntimeError("the colocated vLLM engine is closed")
@@ -340,6 +345,7 @@ class ColocatedWeights(WeightTransport[FullWeights]):
                 engine.collective_rpc("update_weights", args=({"names": list(bucket), "tensors": bucket},))
             engine.collective_rpc("finish_weight_update")
         except Exception as exc:
+            engine.collective_rpc("llmrl_abandon_weight_update")
             raise WeightSyncError(f"weight sync to the colocated vLLM engine failed: {exc}") from exc
         # Cached prefixes hold keys and values of the old weights.
         engine.reset_prefix_cache()

@@ -1,0 +1,220 @@
+"""llmrl with vLLM's engine in the trainer's process (`inference.vllm.mode: colocate`), against the
+real vLLM (its CPU build here; `bash scripts/setup.sh vllm` installs it in .venv-vllm).
+
+The engine needs vllm in the test's own interpreter. Under the trainer's environment (.venv, no vllm)
+this module holds `llmrl train` end to end, which switches to .venv-vllm's Python by itself, and one
+test that runs this same file with .venv-vllm's Python; there, it holds the engine's checks: one
+engine of the tiny model starts for the module, and every check compares with a Hugging Face forward
+pass of the weights it should hold (logprobs after each in-memory sync, the embeddings and so the
+tied LM head included; the old weights after a refused update; a request running during a sync).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
+from llmrl.inference.vllm import find_vllm_python, served_model_path
+from llmrl.types import GenerationArgs, InferenceRequest
+from llmrl.weights import FullWeights, WeightSyncError
+from tests.integration.test_vllm import (
+    greedy_matches,
+    max_logprob_gap,
+    perturbed,
+    reference,
+    reference_logprobs,
+    run_training,
+    train_command,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[2]
+CONFIG = VLLMConfig(mode="colocate", max_model_len=256, cpu_kv_cache_gib=1)
+ENGINE_CHECKS = 10  # the tests below that run in vLLM's interpreter
+
+if importlib.util.find_spec("vllm") is None:
+
+    def test_the_engine_checks_pass_in_vllms_interpreter():
+        done = subprocess.run(
+            [find_vllm_python(None), "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "slow"],
+            capture_output=True,
+            text=True,
+            timeout=590,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+        assert f"{ENGINE_CHECKS} passed" in done.stdout, done.stdout[-2000:]
+
+    def test_llmrl_train_colocated_switches_interpreter_learns_and_resumes_exactly(tmp_path):
+        straight, halves = tmp_path / "straight", tmp_path / "halves"
+        settings = ("training.steps=4", "checkpoint.every=2")
+        command = train_command("arithmetic_vllm_colocate.yaml", straight, *settings)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "running with" in done.stderr and ".venv-vllm" in done.stderr
+        lines = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+        steps = [line for line in lines if "train/mismatch_kl" in line]
+        assert len(steps) == 4 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-6
+        assert "eval/arithmetic/pass@1" in lines[-1]
+        rollouts = [json.loads(line) for line in (straight / "rollouts.jsonl").read_text().splitlines()]
+        assert {r["step"]: r["policy_version"] for r in rollouts} == {1: 0, 2: 1, 3: 2, 4: 3}
+
+        # Two steps, then a second command that resumes from the checkpoint: the same numbers.
+        run_training(
+            train_command("arithmetic_vllm_colocate.yaml", halves, "training.steps=2", settings[1]), halves
+        )
+        resumed = run_training(train_command("arithmetic_vllm_colocate.yaml", halves, *settings), halves)
+        resumed_steps = [line for line in resumed if "train/loss" in line]
+        for key in ("train/loss", "reward/mean", "train/mismatch_kl"):
+            assert [s[key] for s in resumed_steps] == [s[key] for s in steps], key
+
+    def test_ctrl_c_and_a_kill_leave_no_process(tmp_path):
+        for stop in (signal.SIGINT, signal.SIGKILL):
+            command = train_command(
+                "arithmetic_vllm_colocate.yaml", tmp_path / stop.name, "training.steps=40"
+            )
+            process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            assert process.stdout is not None
+            for line in process.stdout:
+                if line.startswith("step "):
+                    break
+            process.send_signal(stop)
+            process.wait(120)
+            assert process.returncode == (130 if stop == signal.SIGINT else -signal.SIGKILL)
+            time.sleep(1)
+            left = subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout
+            assert left.strip() == "", f"left after {stop.name}: {left}"
+
+else:
+    from llmrl.inference.vllm.colocated import ColocatedVLLM
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory) -> Path:
+        return Path(served_model_path(ModelConfig(), tmp_path_factory.mktemp("colocated") / "model"))
+
+    @pytest.fixture(scope="module")
+    def engine(model_dir):
+        with ColocatedVLLM.from_config(
+            InferenceConfig(type="vllm", vllm=CONFIG), ModelConfig(), seed=0, run_dir=model_dir.parent
+        ) as colocated:
+            yield colocated
+
+    @pytest.fixture(scope="module")
+    def base_weights(model_dir) -> dict[str, torch.Tensor]:
+        return load_file(str(model_dir / "model.safetensors"))
+
+    def sync(engine, weights: dict[str, torch.Tensor], version: int) -> None:
+        engine.update_weights(FullWeights.of(weights), version)
+
+    def long_request(seed: int, max_tokens: int = 200) -> InferenceRequest:
+        args = GenerationArgs(max_tokens=max_tokens, ignore_eos=True, seed=seed)
+        return InferenceRequest(prompt="12 + 34 =", n=2, generation_args=args)
+
+    def test_logprobs_equal_a_forward_pass_before_and_after_each_sync(engine, model_dir, base_weights):
+        sync(engine, base_weights, 1)
+        assert max_logprob_gap(engine, reference(model_dir, base_weights)) < 1e-5
+        for version, seed in ((2, 5), (3, 6)):  # every tensor changes, the embeddings (tied head) too
+            weights = perturbed(base_weights, seed)
+            sync(engine, weights, version)
+            new = reference(model_dir, weights)
+            assert max_logprob_gap(engine, new) < 1e-5
+            assert max_logprob_gap(engine, new, temperature=0.7, top_k=20, top_p=0.9) < 1e-5
+            assert greedy_matches(engine, new)
+            assert all(r.policy_version == version for r in engine.generate(long_request(0, 4)))
+
+    def test_the_engine_copies_the_tensors_it_is_handed(engine, model_dir, base_weights):
+        weights = {name: t.clone() for name, t in perturbed(base_weights, 7).items()}
+        sync(engine, weights, 4)
+        for tensor in weights.values():  # the trainer's next update, not synced
+            tensor.add_(1.0)
+        assert max_logprob_gap(engine, reference(model_dir, perturbed(base_weights, 7))) < 1e-5
+
+    @pytest.mark.parametrize(
+        "change, problem",
+        [
+            (lambda w: w | {"model.norm.weight": torch.ones(7)}, "shape"),
+            (lambda w: w | {"model.norm.weight": w["model.norm.weight"] * float("nan")}, "non-finite"),
+            (lambda w: w | {"model.no_such.weight": torch.ones(3)}, "no_such"),
+            (lambda w: {k: v for k, v in w.items() if "layers.0.mlp" not in k}, "lacks"),
+        ],
+    )
+    def test_a_refused_update_leaves_the_served_weights_and_version(
+        engine, model_dir, base_weights, change, problem
+    ):
+        sync(engine, base_weights, 10)
+        with pytest.raises(WeightSyncError, match=problem):
+            sync(engine, change(perturbed(base_weights, 8)), 11)
+        assert engine.policy_version == 10
+        assert max_logprob_gap(engine, reference(model_dir, base_weights)) < 1e-5
+
+    def test_a_sync_waits_for_running_requests_which_finish_on_the_old_weights(
+        engine, model_dir, base_weights
+    ):
+        sync(engine, base_weights, 20)
+        future = engine.submit(long_request(3))
+        time.sleep(0.3)  # it runs
+        new = perturbed(base_weights, 9)
+        syncing = threading.Thread(target=sync, args=(engine, new, 21))
+        syncing.start()
+        responses = future.result(timeout=120)
+        syncing.join()
+        old = reference(model_dir, base_weights)
+        for response in responses:
+            assert len(response.token_ids) == 200 and response.policy_version == 20
+            expected = reference_logprobs(old, response.prompt_token_ids, response.token_ids)
+            assert (expected - torch.tensor(response.logprobs)).abs().max() < 1e-5
+        assert max_logprob_gap(engine, reference(model_dir, new)) < 1e-5
+
+    def test_abort_mode_ends_running_requests_at_a_sync(engine, base_weights):
+        engine.config = CONFIG.model_copy(update={"pause_mode": "abort"})
+        try:
+            future = engine.submit(long_request(4, max_tokens=240))
+            time.sleep(0.3)
+            sync(engine, base_weights, 30)
+            assert {r.finish_reason for r in future.result(timeout=60)} == {"abort"}
+        finally:
+            engine.config = CONFIG
+
+    def test_a_refused_request_fails_alone_and_continuations_keep_their_ids(engine):
+        with pytest.raises(ValueError, match="max_tokens: 400"):
+            engine.generate(
+                InferenceRequest(prompt="1 + 1 =", generation_args=GenerationArgs(max_tokens=400))
+            )
+        first = engine.generate(long_request(5, 6))[0]
+        ids = first.prompt_token_ids + first.token_ids
+        follow = engine.generate(
+            InferenceRequest(
+                prompt=" 3 + 4 =", prompt_token_ids=ids, generation_args=GenerationArgs(max_tokens=4)
+            )
+        )[0]
+        assert follow.prompt_token_ids[: len(ids)] == ids
+        assert engine.generate(long_request(5, 6))[0].token_ids == first.token_ids  # seeded: the same tokens
+
+    def test_torchrun_and_a_missing_vllm_are_config_errors(monkeypatch):
+        from llmrl.inference.vllm.colocated import check_colocatable
+
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match="one process"):
+            check_colocatable(CONFIG)
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+        with pytest.raises(ConfigError, match="no vllm"):
+            check_colocatable(CONFIG)
