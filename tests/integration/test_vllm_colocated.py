@@ -206,7 +206,12 @@ else:
             )
         )[0]
         assert follow.prompt_token_ids[: len(ids)] == ids
-        assert engine.generate(long_request(5, 6))[0].token_ids == first.token_ids  # seeded: the same tokens
+        again = engine.generate(long_request(5, 6))[0]
+        assert again.token_ids == first.token_ids  # seeded: the same tokens
+        # vLLM's detokenised text (with a stop string) equals the text decoded once at the end.
+        never = GenerationArgs(max_tokens=6, ignore_eos=True, seed=5, stop=("\u2063",))
+        stopped = engine.generate(InferenceRequest(prompt="12 + 34 =", n=2, generation_args=never))[0]
+        assert (stopped.token_ids, stopped.text) == (again.token_ids, again.text)
 
     def test_torchrun_and_a_missing_vllm_are_config_errors(monkeypatch):
         from llmrl.inference.vllm.colocated import check_colocatable

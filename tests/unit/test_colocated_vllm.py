@@ -118,6 +118,13 @@ def test_responses_carry_tokens_logprobs_and_the_version_they_were_admitted_unde
     assert [r.token_ids for r in first] == [[1, 2, 3]] * 2 and first[0].logprobs == [-0.5] * 3
     assert {r.policy_version for r in first} == {0} and {r.policy_version for r in second} == {7}
     assert first[0].prompt_token_ids == second[0].prompt_token_ids
+    # Text: decoded once at the end, or vLLM's own where stop strings made it detokenise.
+    assert first[0].text == tiny_model[1].decode([1, 2, 3], skip_special_tokens=True)
+    with colocated(tiny_model) as engine:
+        stopped = engine.generate(
+            request().model_copy(update={"generation_args": GenerationArgs(stop=("9",))})
+        )
+    assert stopped[0].text == "x"
 
 
 def test_a_sync_waits_for_running_requests_then_loads_and_resets_the_prefix_cache(tiny_model):

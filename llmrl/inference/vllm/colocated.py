@@ -120,7 +120,7 @@ class ColocatedVLLM(InferenceInterface):
         check_colocatable(vllm)
         folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
         served = served_model_path(model, folder / "model")
-        engine = start_engine(served, model.dtype, vllm, seed=seed)
+        engine = start_engine(served, model.dtype, vllm, seed=seed, max_concurrent=config.max_concurrent)
         tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
         return cls(engine, tokenizer, config=vllm, seed=seed)
 
@@ -247,7 +247,7 @@ class ColocatedVLLM(InferenceInterface):
         for output in outputs:
             if output.finished and output.request_id in self._running:
                 pending = self._running.pop(output.request_id)
-                _run_into(pending.future, lambda p=pending, o=output: responses(p, o))
+                _run_into(pending.future, lambda p=pending, o=output: responses(p, o, self.tokenizer))
 
     def _finish_aborted(self, request_id: str) -> None:
         pending = self._running.pop(request_id)
@@ -375,12 +375,16 @@ def sampling_options(request: InferenceRequest) -> dict[str, Any]:
         seed=args.seed,
         logprobs=0,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        # vLLM detokenises every step, which only stop strings need (a quarter of a demo batch's time
+        # on the CPU build); without them the text is decoded once, at the end (`responses`).
+        detokenize=bool(args.stop),
     )
 
 
-def responses(pending: _Request, output: Any) -> list[InferenceResponse]:
+def responses(pending: _Request, output: Any, tokenizer: Any) -> list[InferenceResponse]:
     """The `InferenceResponse` of each of vLLM's completions of a request, in sample order."""
     result = []
+    detokenized = bool(pending.request.generation_args.stop)
     for completion in sorted(output.outputs, key=lambda c: c.index):
         token_ids = list(completion.token_ids)
         logprobs = [
@@ -388,7 +392,9 @@ def responses(pending: _Request, output: Any) -> list[InferenceResponse]:
         ]
         result.append(
             InferenceResponse(
-                text=completion.text,
+                text=completion.text
+                if detokenized
+                else tokenizer.decode(token_ids, skip_special_tokens=True),
                 prompt_token_ids=pending.prompt_ids,
                 token_ids=token_ids,
                 logprobs=logprobs,
@@ -433,10 +439,10 @@ def check_colocatable(config: VLLMConfig) -> None:
         )
 
 
-def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int) -> Any:
+def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int, max_concurrent: int) -> Any:
     """vLLM's `LLMEngine` of `model` (a folder or hub id) with its core in this process, serving
-    processed logprobs (those of the distribution sampled from) and taking weights from llmrl's
-    transfer backend."""
+    processed logprobs (those of the distribution sampled from), decoding up to `max_concurrent`
+    sequences at once and taking weights from llmrl's transfer backend."""
     # Read by vLLM when the engine starts: its core and the CPU build's KV cache.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
@@ -458,6 +464,7 @@ def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int) -> An
         max_model_len=config.max_model_len,
         gpu_memory_utilization=config.gpu_memory_utilization,
         enable_sleep_mode=bool(config.sleep_level),
+        max_num_seqs=max_concurrent,
         # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps.
         enable_chunked_prefill=cuda,
     )
