@@ -6,7 +6,9 @@ moments (all sharded over the ranks under torchrun), the compute-dtype copies th
 or with LoRA the frozen base in the compute dtype, float32 adapters and the gradients and moments
 of the adapters alone (no reference copy: the reference is the base with the adapters off),
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
-cache, and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
+cache or a colocated vLLM engine (its `gpu_memory_utilization` share of the GPU; on the CPU build its
+weights and KV cache), which must fit both beside the update and, without the update's activations
+and gradients, while it generates (asleep during the update, it counts only then), and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
 GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the
 device's memory, naming the settings that would fit (`MemoryPlan.check`).
 
@@ -58,6 +60,18 @@ class MemorySettings:
     """KV-cache tokens of the embedded engine on rank 0; None when inference is elsewhere."""
     lora: LoraSizes | None = None
     """The adapters' sizes when LoRA trains (`model.lora`); None: every parameter trains."""
+    colocated: ColocatedEngine | None = None
+    """vLLM's engine in rank 0's process (`inference.vllm.mode: colocate`); None: no such engine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedEngine:
+    gpu_share: float
+    """Share of the GPU the engine takes whole (`gpu_memory_utilization`: its weights, KV cache, graphs)."""
+    cpu_kv_cache_bytes: int
+    """KV cache of vLLM's CPU build (`cpu_kv_cache_gib`), beside its copy of the weights."""
+    sleeps: bool
+    """It releases its memory while the trainer updates (`sleep_level`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +93,9 @@ class MemoryPlan:
     baseline_bytes: int
     """The process before the model loads (CPU only: torch and Python count in its resident set)."""
 
-    def terms(self, *, rank0: bool) -> dict[str, int]:
+    def terms(self, *, rank0: bool, phase: str = "update") -> dict[str, int]:
+        """What holds memory during the update (`phase` "update") or, beside a colocated engine, while
+        it generates ("generation": no activations or gradients, and the engine awake)."""
         shape, s = self.shape, self.settings
         master, compute = s.master_dtype.itemsize, s.compute_dtype.itemsize
         shards = shape.parameters / s.world_size
@@ -115,7 +131,21 @@ class MemoryPlan:
             terms["gathered weights"] = shape.parameters * compute
         if self.device == "cpu":
             terms["process"] = self.baseline_bytes
+        engine = s.colocated
+        if rank0 and engine is not None:
+            if phase == "generation":
+                del terms["activations"], terms["gradients"]
+            if phase == "generation" or not engine.sleeps:
+                terms["vLLM colocated"] = (
+                    engine.gpu_share * self.device_bytes
+                    if self.device == "cuda"
+                    else shape.parameters * compute + engine.cpu_kv_cache_bytes
+                )
         return {name: int(value) for name, value in terms.items()}
+
+    def phases(self) -> tuple[str, ...]:
+        """The phases whose memory must fit: the update, and generation beside a colocated engine."""
+        return ("update", "generation") if self.settings.colocated is not None else ("update",)
 
     def _activations(self) -> float:
         shape, s = self.shape, self.settings
@@ -139,22 +169,26 @@ class MemoryPlan:
         head = 3 * 4 * min(CHUNK_ELEMENTS, tokens * shape.vocab) + tokens * shape.hidden * 4
         return kept + mask + head
 
-    def total(self, *, rank0: bool = True) -> int:
-        return sum(self.terms(rank0=rank0).values())
+    def total(self, *, rank0: bool = True, phase: str = "update") -> int:
+        return sum(self.terms(rank0=rank0, phase=phase).values())
 
     def fits(self) -> bool:
-        return self.total(rank0=True) <= self.device_bytes
+        return all(self.total(rank0=True, phase=phase) <= self.device_bytes for phase in self.phases())
 
     def render(self) -> str:
         """The plan as a small table (GB), rank 0 beside the other ranks when there are several."""
-        ranks = [("rank 0", True)] + ([("other ranks", False)] if self.settings.world_size > 1 else [])
-        columns = [self.terms(rank0=rank0) for _, rank0 in ranks]
-        names = list(columns[0])
+        ranks = [("rank 0", True, "update")] + (
+            [("other ranks", False, "update")] if self.settings.world_size > 1 else []
+        )
+        if self.settings.colocated is not None:
+            ranks = [("updating", True, "update"), ("generating", True, "generation")]
+        columns = [self.terms(rank0=rank0, phase=phase) for _, rank0, phase in ranks]
+        names = list(dict.fromkeys(name for column in columns for name in column))
         width = max(len(n) for n in [*names, "total"]) + 2
         lines = [
             f"memory plan per rank ({self.device}, {self.device_bytes / GB:.1f} GB; "
             f"{self.shape.parameters / 1e6:.1f}M parameters, {self.settings.world_size} process(es)):",
-            " " * width + "".join(f"{label:>14}" for label, _ in ranks),
+            " " * width + "".join(f"{label:>14}" for label, _, _ in ranks),
         ]
         for name in names:
             lines.append(
@@ -167,8 +201,9 @@ class MemoryPlan:
         """Raise `ConfigError` with the plan and the settings that would fit when it does not fit."""
         if self.fits():
             return
+        needed = max(self.total(phase=phase) for phase in self.phases())
         raise ConfigError(
-            f"the run needs about {self.total() / GB:.1f} GB per rank but {self.device} has "
+            f"the run needs about {needed / GB:.1f} GB per rank but {self.device} has "
             f"{self.device_bytes / GB:.1f} GB\n{self.render()}\n{self._what_would_fit()}"
         )
 
@@ -195,6 +230,9 @@ class MemoryPlan:
             )
         if s.engine_tokens is not None:
             options.append((elsewhere, dataclasses.replace(s, engine_tokens=None)))
+        if s.colocated is not None and not s.colocated.sleeps and self.device == "cuda":
+            asleep = dataclasses.replace(s.colocated, sleeps=True)
+            options.append(("inference.vllm.sleep_level: 2", dataclasses.replace(s, colocated=asleep)))
         processes = self._processes_that_fit(s)
         if processes is not None:
             options.append(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from llmrl.config import ConfigError, RunConfig
+from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
@@ -27,7 +27,7 @@ from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import Distributed, tied_duplicates
 from llmrl.trainer.evaluated_model import find_evaluated_model
 from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
-from llmrl.trainer.memory import LoraSizes, MemoryPlan, MemorySettings, plan_memory
+from llmrl.trainer.memory import ColocatedEngine, LoraSizes, MemoryPlan, MemorySettings, plan_memory
 
 
 @dataclasses.dataclass
@@ -184,6 +184,15 @@ def _load_with_adapters(
     return policy, tokenizer, built[-1]
 
 
+def colocated_engine(inference: InferenceConfig) -> ColocatedEngine | None:
+    vllm = inference.vllm
+    if inference.type != "vllm" or vllm.mode != "colocate":
+        return None
+    return ColocatedEngine(
+        vllm.gpu_memory_utilization, vllm.cpu_kv_cache_gib << 30, sleeps=vllm.sleep_level > 0
+    )
+
+
 def plan_training_memory(config: RunConfig, device: str, distributed: Distributed | None) -> MemoryPlan:
     """What training `config` will hold in memory on each process, from the model's shapes alone."""
     settings = MemorySettings(
@@ -195,6 +204,7 @@ def plan_training_memory(config: RunConfig, device: str, distributed: Distribute
         activation_checkpointing=config.training.activation_checkpointing,
         reference_model=config.algorithm.kl_beta > 0 and config.model.lora is None,
         engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
+        colocated=colocated_engine(config.inference),
     )
 
     def shapes() -> torch.nn.Module:

@@ -79,6 +79,21 @@ if importlib.util.find_spec("vllm") is None:
         for key in ("train/loss", "reward/mean", "train/mismatch_kl"):
             assert [s[key] for s in resumed_steps] == [s[key] for s in steps], key
 
+    def test_an_agent_program_with_retries_trains_colocated(tmp_path):
+        """The retry example: a program on the `openai` client, several calls per episode (multi-turn)."""
+        run_dir = tmp_path / "retry"
+        colocated = (
+            "inference.type=vllm",
+            "inference.vllm.mode=colocate",
+            "inference.vllm.max_model_len=256",
+        )
+        lines = run_training(
+            train_command("arithmetic_retry_agent.yaml", run_dir, "training.steps=2", *colocated), run_dir
+        )
+        steps = [line for line in lines if "train/mismatch_kl" in line]
+        assert len(steps) == 2 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-6
+        assert all(s["reward/retry/calls"] > 1 for s in steps)
+
     def test_ctrl_c_and_a_kill_leave_no_process(tmp_path):
         for stop in (signal.SIGINT, signal.SIGKILL):
             command = train_command(

@@ -14,6 +14,7 @@ from llmrl.config import ConfigError
 from llmrl.models.shape import ModelShape
 from llmrl.trainer.memory import (
     GB,
+    ColocatedEngine,
     MemoryPlan,
     MemorySettings,
     PeakMemory,
@@ -194,6 +195,41 @@ def test_the_plan_renders_one_column_per_kind_of_rank():
     assert "rank 0" in one and "other ranks" not in one and "total" in one
     several = MemoryPlan(ModelShape.of(meta_model()), settings(world_size=2), "cpu", 10**12, 0).render()
     assert "other ranks" in several and "2 process(es)" in several
+
+
+def test_a_colocated_engine_must_fit_beside_the_update_and_while_it_generates():
+    engine = ColocatedEngine(gpu_share=0.5, cpu_kv_cache_bytes=2 * 10**9, sleeps=False)
+    card = 10 * 10**9
+    awake = MemoryPlan(
+        ModelShape.of(meta_model()), settings(engine_tokens=None, colocated=engine), "cuda", card, 0
+    )
+    update, generation = awake.terms(rank0=True), awake.terms(rank0=True, phase="generation")
+    assert update["vLLM colocated"] == generation["vLLM colocated"] == card // 2
+    assert "activations" in update and "activations" not in generation and "gradients" not in generation
+    assert "updating" in awake.render() and "generating" in awake.render()
+    # Asleep during the update, the engine counts only while it generates.
+    asleep = dataclasses.replace(
+        awake, settings=settings(engine_tokens=None, colocated=dataclasses.replace(engine, sleeps=True))
+    )
+    assert "vLLM colocated" not in asleep.terms(rank0=True)
+    assert asleep.total(phase="generation") == awake.total(phase="generation")
+    # A card that holds the update only with the engine asleep: refused awake, naming the sleep level.
+    # (the engine's share scales with the card: with the trainer's update U and generation G, a card
+    # of U + G holds U alone, and G beside half of it, but not U beside half of it)
+    generating = asleep.terms(rank0=True, phase="generation")
+    tight = asleep.total() + sum(generating.values()) - generating["vLLM colocated"]
+    with pytest.raises(ConfigError, match="inference.vllm.sleep_level: 2"):
+        dataclasses.replace(awake, device_bytes=tight).check()
+    dataclasses.replace(asleep, device_bytes=tight).check()
+    # A share that leaves the trainer's weights no room fits in neither phase.
+    greedy = dataclasses.replace(engine, gpu_share=1.0, sleeps=True)
+    with pytest.raises(ConfigError):
+        dataclasses.replace(asleep, settings=settings(engine_tokens=None, colocated=greedy)).check()
+    # On the CPU build: a copy of the weights and the KV cache.
+    cpu = MemoryPlan(
+        ModelShape.of(meta_model()), settings(engine_tokens=None, colocated=engine), "cpu", card, 0
+    )
+    assert cpu.terms(rank0=True)["vLLM colocated"] == cpu.shape.parameters * 2 + 2 * 10**9
 
 
 def test_peak_memory_sees_a_large_allocation_and_starts_a_new_period():
