@@ -532,7 +532,11 @@ class RunConfig(Section):
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
         self._check_colocation()
-        if self.model.lora is not None and self.inference.type == "vllm":
+        if (
+            self.model.lora is not None
+            and self.inference.type == "vllm"
+            and self.inference.vllm.mode == "servers"
+        ):
             if self.model.lora.rank > VLLM_LORA_RANKS[-1]:
                 raise ValueError(
                     f"model.lora.rank: {self.model.lora.rank} is more than vLLM serves ({VLLM_LORA_RANKS[-1]})"
@@ -570,11 +574,6 @@ class RunConfig(Section):
             raise ValueError(
                 "inference.base_url: a colocated engine runs in the trainer's process; unset it, or use "
                 "inference.vllm.mode: servers to train from the servers at it"
-            )
-        if self.model.lora is not None:
-            raise ValueError(
-                "model.lora: colocated vLLM takes whole weights only (vLLM 0.32 loads adapters from files, not "
-                "tensors); train LoRA with inference.vllm.mode: servers or the embedded engine"
             )
         if vllm.sleep_level and self.training.generation_lag:
             raise ValueError(

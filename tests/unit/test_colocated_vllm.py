@@ -252,7 +252,6 @@ def run_config(**inference) -> dict:
     "data, message",
     [
         (run_config(base_url="http://127.0.0.1:8000"), "inference.base_url"),
-        (run_config() | {"model": {"lora": {"rank": 8}}}, "model.lora"),
         (
             run_config(vllm={"mode": "colocate", "sleep_level": 1}) | {"training": {"generation_lag": 1}},
             "sleep_level",

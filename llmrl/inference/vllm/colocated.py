@@ -39,11 +39,13 @@ from llmrl.inference.interface import Health, InferenceInterface, run_sync
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.types import MAX_POLICY_VERSION, FinishReason, InferenceRequest, InferenceResponse
 from llmrl.weights import (
+    AdapterWeights,
     FullWeights,
     PayloadKind,
     WeightSyncError,
     WeightTransport,
     check_version,
+    served_tensors,
     transport_for,
 )
 
@@ -82,6 +84,7 @@ class ColocatedVLLM(InferenceInterface):
         config: VLLMConfig,
         seed: int | None = None,
         policy_version: int = 0,
+        base_model: torch.nn.Module | None = None,
     ):
         """
         Args:
@@ -91,11 +94,16 @@ class ColocatedVLLM(InferenceInterface):
             config: the vLLM section (`pause_mode`, `sleep_level`).
             seed: seeds the generator that gives each request without a seed its own (None: from the OS).
             policy_version: version stamped on responses until the first sync.
+            base_model: the model LoRA adapters adapt, whose weights they are merged onto
+                (`ColocatedAdapters`); None: the engine takes whole weights only.
         """
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
         self.transport = ColocatedWeights(self)
+        self.transports: list[WeightTransport[Any]] = [self.transport]
+        if base_model is not None:
+            self.transports.append(ColocatedAdapters(self.transport, base_model))
         self._version = policy_version
         self._seeds = random.Random(seed)
         self._ids = itertools.count()
@@ -114,15 +122,22 @@ class ColocatedVLLM(InferenceInterface):
     ) -> ColocatedVLLM:
         """An engine of `model` in this process, on this process's GPU (or the CPU build's cores)."""
         from llmrl.inference.vllm.server import served_model_path, temporary_folder
-        from llmrl.models import load_tokenizer
+        from llmrl.models import load_model, load_tokenizer
 
         vllm = config.vllm
         check_colocatable(vllm)
         folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
         served = served_model_path(model, folder / "model")
+        base_model = None
+        if (
+            model.lora is not None
+        ):  # the frozen base the trainer's adapters adapt, loaded as the trainer loads it
+            base_model, _ = load_model(
+                model.spec, dtype=model.dtype, trust_remote_code=model.trust_remote_code
+            )
         engine = start_engine(served, model.dtype, vllm, seed=seed, max_concurrent=config.max_concurrent)
         tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
-        return cls(engine, tokenizer, config=vllm, seed=seed)
+        return cls(engine, tokenizer, config=vllm, seed=seed, base_model=base_model)
 
     @property
     def policy_version(self) -> int:
@@ -167,8 +182,9 @@ class ColocatedVLLM(InferenceInterface):
     # -- weights ---------------------------------------------------------------------------------
 
     def weight_transport(self, kind: PayloadKind) -> WeightTransport[Any]:
-        """Whole weights, handed over in memory (`ColocatedWeights`)."""
-        return transport_for([self.transport], kind, "vLLM colocated in this process")
+        """Whole weights, handed over in memory (`ColocatedWeights`); with base weights, LoRA
+        adapters merged onto them (`ColocatedAdapters`)."""
+        return transport_for(self.transports, kind, "vLLM colocated in this process")
 
     def run_job(self, run: Callable[[], Any], *, drain: bool) -> Any:
         """Run `run` on the driver between two engine steps and return its result; with `drain`, once
@@ -353,6 +369,43 @@ class ColocatedWeights(WeightTransport[FullWeights]):
         owner.set_version(version)
 
 
+class ColocatedAdapters(WeightTransport[AdapterWeights]):
+    """LoRA adapters into the colocated engine as whole weights: the base plus each adapter's delta,
+    sent through `ColocatedWeights`. vLLM 0.32's LoRA manager loads adapters from files alone; in
+    this process a merge costs less than a file, and the engine then serves plain weights (no LoRA
+    kernels, no adapter slots)."""
+
+    takes = ("adapters",)
+
+    def __init__(self, weights: ColocatedWeights, base_model: torch.nn.Module):
+        self.weights = weights
+        self.served = served_tensors(base_model)
+        self.base = distinct_tensors(base_model)
+
+    def before_update(self) -> None:
+        self.weights.before_update()
+
+    def send(self, payload: AdapterWeights, version: int, *, reset: bool = False) -> None:
+        payload.check(self.served)
+        merged = dict(self.base)
+        for layer in payload.deltas():
+            for name, delta in layer.items():
+                merged[name] = (self.base[name].float() + delta).to(self.base[name].dtype)
+        self.weights.send(FullWeights.of(merged), version, reset=reset)
+
+
+def distinct_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with each tensor once, as a checkpoint stores it (a tied LM head shares
+    the embeddings' tensor)."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor.detach()
+    return tensors
+
+
 def sampling_options(request: InferenceRequest) -> dict[str, Any]:
     """vLLM `SamplingParams` keyword arguments of `request`: the sampled token's logprob with each
     token, final outputs only, the request's sampling options as the managed servers get them."""
@@ -471,4 +524,11 @@ def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int, max_c
     return LLMEngine.from_engine_args(engine_args)
 
 
-__all__ = ["ColocatedVLLM", "ColocatedWeights", "check_colocatable", "sampling_options", "start_engine"]
+__all__ = [
+    "ColocatedAdapters",
+    "ColocatedVLLM",
+    "ColocatedWeights",
+    "check_colocatable",
+    "sampling_options",
+    "start_engine",
+]
