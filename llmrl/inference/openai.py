@@ -399,7 +399,7 @@ def _parse_choice(
         prompt_token_ids=prompt_ids,
         token_ids=token_ids,
         logprobs=logprobs,
-        finish_reason=_finish_reason(choice.get("finish_reason")),
+        finish_reason=parse_finish_reason(choice.get("finish_reason")),
         policy_version=version,
     )
 
@@ -421,5 +421,6 @@ def _missing(field: str, what: str) -> UnsupportedServerError:
     )
 
 
-def _finish_reason(reason: Any) -> FinishReason:
+def parse_finish_reason(reason: Any) -> FinishReason:
+    """A server's finish reason as llmrl's: `length` and `abort` as they are, anything else `stop`."""
     return reason if reason in ("length", "abort") else "stop"

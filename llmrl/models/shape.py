@@ -2,7 +2,8 @@
 
 One home for what the memory plan, the trainer's packing costs and the benchmarks' FLOP counts
 read of a model config, so that they never disagree about a head's width or which weights a token
-is multiplied by.
+is multiplied by; and which state-dict names alias another's tensor (tied embeddings), so that
+whatever stores or sends weights does so once per tensor.
 """
 
 from __future__ import annotations
@@ -86,3 +87,22 @@ class ModelShape:
     def attention_flops(self, queries: int, context_before: int = 0) -> float:
         """Attention FLOPs of `queries` consecutive causal positions after `context_before` others."""
         return self.pair_flops * (queries * context_before + queries * (queries + 1) / 2)
+
+
+def tied_duplicates(model: torch.nn.Module) -> set[str]:
+    """State-dict names that alias an earlier entry's tensor (tied embeddings): a Hugging Face folder
+    stores each tensor once. Aliases are one and the same parameter, on a sharded or meta model too."""
+    first_names = registered_names(model)
+    return {name for name in model.state_dict(keep_vars=True) if first_names.get(name, name) != name}
+
+
+def registered_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's and buffer's name -> the first name under which the same tensor is registered."""
+    first: dict[int, str] = {}
+    names = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names[name] = first.setdefault(id(tensor), name)
+    return names

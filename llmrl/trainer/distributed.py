@@ -57,6 +57,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from llmrl.models import load_model
+from llmrl.models.shape import registered_names
 from llmrl.weights import weight_buckets
 
 
@@ -95,25 +96,6 @@ class ShardedCausalLM:
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
-
-
-def tied_duplicates(model: torch.nn.Module) -> set[str]:
-    """State-dict names that alias an earlier entry's tensor (tied embeddings): a Hugging Face folder
-    stores each tensor once. Aliases are one and the same parameter, on a sharded or meta model too."""
-    first_names = _first_names(model)
-    return {name for name in model.state_dict(keep_vars=True) if first_names.get(name, name) != name}
-
-
-def _first_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each parameter's and buffer's name -> the first name under which the same tensor is registered."""
-    first: dict[int, str] = {}
-    names = {}
-    for name, tensor in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        names[name] = first.setdefault(id(tensor), name)
-    return names
 
 
 def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -215,7 +197,7 @@ class Distributed:
             loaded = prepare(loaded) if loaded is not None else None
             with torch.random.fork_rng(devices=[]):
                 model = prepare(model)
-        first_names = _first_names(model)
+        first_names = registered_names(model)
         full = loaded.state_dict() if loaded is not None else {}
         buffers = dict(loaded.named_buffers()) if loaded is not None else {}
         del loaded  # `full` and `buffers` hold what is still needed of it

@@ -8,8 +8,9 @@ of the adapters alone (no reference copy: the reference is the base with the ada
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
 cache or a colocated vLLM engine (its `gpu_memory_utilization` share of the GPU; on the CPU build its
 weights and KV cache), which must fit both beside the update and, without the update's activations
-and gradients, while it generates (asleep during the update, it counts only then), and, on CPU under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
-GPU they are gathered into host memory). The trainer refuses to start when the plan exceeds the
+and gradients, while it generates (asleep during the update, it counts only then), and, on CPU
+under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a GPU they are
+gathered into host memory). The trainer refuses to start when the plan exceeds the
 device's memory, naming the settings that would fit (`MemoryPlan.check`).
 
 Activations are what autograd keeps of a decoder-only transformer, counted per token and layer from

@@ -23,8 +23,9 @@ from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
+from llmrl.models.shape import tied_duplicates
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.distributed import Distributed, tied_duplicates
+from llmrl.trainer.distributed import Distributed
 from llmrl.trainer.evaluated_model import find_evaluated_model
 from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
 from llmrl.trainer.memory import ColocatedEngine, LoraSizes, MemoryPlan, MemorySettings, plan_memory

@@ -296,7 +296,8 @@ SHARDED_LOADING_SCRIPT = """
 import torch
 from llmrl.weights import weight_buckets
 from llmrl.models import load_model
-from llmrl.trainer.distributed import Distributed, tied_duplicates
+from llmrl.models.shape import tied_duplicates
+from llmrl.trainer.distributed import Distributed
 
 distributed = Distributed.from_env("cpu")
 model, _ = distributed.load_model("tiny://arithmetic", device="cpu")

@@ -41,6 +41,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
 CONFIG = VLLMConfig(mode="colocate", max_model_len=256, cpu_kv_cache_gib=1)
+COLOCATED = ("inference.type=vllm", "inference.vllm.mode=colocate", "inference.vllm.max_model_len=256")
 ENGINE_CHECKS = 11  # the tests below that run in vLLM's interpreter
 
 if importlib.util.find_spec("vllm") is None:
@@ -83,13 +84,8 @@ if importlib.util.find_spec("vllm") is None:
     def test_an_agent_program_with_retries_trains_colocated(tmp_path):
         """The retry example: a program on the `openai` client, several calls per episode (multi-turn)."""
         run_dir = tmp_path / "retry"
-        colocated = (
-            "inference.type=vllm",
-            "inference.vllm.mode=colocate",
-            "inference.vllm.max_model_len=256",
-        )
         lines = run_training(
-            train_command("arithmetic_retry_agent.yaml", run_dir, "training.steps=2", *colocated), run_dir
+            train_command("arithmetic_retry_agent.yaml", run_dir, "training.steps=2", *COLOCATED), run_dir
         )
         steps = [line for line in lines if "train/mismatch_kl" in line]
         assert len(steps) == 2 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-6
@@ -97,13 +93,8 @@ if importlib.util.find_spec("vllm") is None:
 
     def test_the_lora_example_trains_colocated(tmp_path):
         run_dir = tmp_path / "lora"
-        colocated = (
-            "inference.type=vllm",
-            "inference.vllm.mode=colocate",
-            "inference.vllm.max_model_len=256",
-        )
         lines = run_training(
-            train_command("arithmetic_lora.yaml", run_dir, "training.steps=2", *colocated), run_dir
+            train_command("arithmetic_lora.yaml", run_dir, "training.steps=2", *COLOCATED), run_dir
         )
         steps = [line for line in lines if "train/mismatch_kl" in line]
         assert len(steps) == 2 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-6

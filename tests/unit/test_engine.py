@@ -35,7 +35,7 @@ from llmrl.inference import build_inference
 from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import InferenceInterface
-from llmrl.trainer.distributed import tied_duplicates
+from llmrl.models.shape import tied_duplicates
 from llmrl.trainer.optimization import sampling_params
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 from llmrl.weights import weight_buckets

@@ -18,9 +18,9 @@ from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.algorithms.packing import has_local_attention
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.models.loading import enable_activation_checkpointing
-from llmrl.models.shape import ModelShape
+from llmrl.models.shape import ModelShape, tied_duplicates
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.distributed import split_by_tokens, tied_duplicates
+from llmrl.trainer.distributed import split_by_tokens
 from llmrl.trainer.optimization import (
     PolicyUpdate,
     _MetricTotals,

@@ -36,8 +36,10 @@ import torch
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
+from llmrl.inference.openai import parse_finish_reason
 from llmrl.inference.prompts import prompt_token_ids
-from llmrl.types import MAX_POLICY_VERSION, FinishReason, InferenceRequest, InferenceResponse
+from llmrl.models.shape import tied_duplicates
+from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import (
     AdapterWeights,
     FullWeights,
@@ -128,10 +130,9 @@ class ColocatedVLLM(InferenceInterface):
         check_colocatable(vllm)
         folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
         served = served_model_path(model, folder / "model")
+        # LoRA: the frozen base the trainer's adapters adapt, loaded as the trainer loads it.
         base_model = None
-        if (
-            model.lora is not None
-        ):  # the frozen base the trainer's adapters adapt, loaded as the trainer loads it
+        if model.lora is not None:
             base_model, _ = load_model(
                 model.spec, dtype=model.dtype, trust_remote_code=model.trust_remote_code
             )
@@ -279,10 +280,9 @@ class ColocatedVLLM(InferenceInterface):
 
     def _fail_running(self, error: BaseException) -> None:
         running, self._running = self._running, {}
-        with_ids = list(running)
-        if with_ids:
+        if running:
             try:
-                self.engine.abort_request(with_ids, internal=False)
+                self.engine.abort_request(list(running), internal=False)
             except Exception:  # noqa: BLE001 (the engine failed already; the callers hear of the first error)
                 log.debug("aborting after a failed step failed too", exc_info=True)
         for pending in running.values():
@@ -380,7 +380,8 @@ class ColocatedAdapters(WeightTransport[AdapterWeights]):
     def __init__(self, weights: ColocatedWeights, base_model: torch.nn.Module):
         self.weights = weights
         self.served = served_tensors(base_model)
-        self.base = distinct_tensors(base_model)
+        tied = tied_duplicates(base_model)  # a checkpoint holds a tied LM head's tensor once
+        self.base = {name: tensor for name, tensor in base_model.state_dict().items() if name not in tied}
 
     def before_update(self) -> None:
         self.weights.before_update()
@@ -392,18 +393,6 @@ class ColocatedAdapters(WeightTransport[AdapterWeights]):
             for name, delta in layer.items():
                 merged[name] = (self.base[name].float() + delta).to(self.base[name].dtype)
         self.weights.send(FullWeights.of(merged), version, reset=reset)
-
-
-def distinct_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """`model`'s state dict with each tensor once, as a checkpoint stores it (a tied LM head shares
-    the embeddings' tensor)."""
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors[name] = tensor.detach()
-    return tensors
 
 
 def sampling_options(request: InferenceRequest) -> dict[str, Any]:
@@ -451,15 +440,11 @@ def responses(pending: _Request, output: Any, tokenizer: Any) -> list[InferenceR
                 prompt_token_ids=pending.prompt_ids,
                 token_ids=token_ids,
                 logprobs=logprobs,
-                finish_reason=_finish_reason(completion.finish_reason),
+                finish_reason=parse_finish_reason(completion.finish_reason),
                 policy_version=pending.version,
             )
         )
     return result
-
-
-def _finish_reason(reason: Any) -> FinishReason:
-    return reason if reason in ("length", "abort") else "stop"
 
 
 def _run_into(future: Future[Any], run: Callable[[], Any]) -> None:
