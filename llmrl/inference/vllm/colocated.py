@@ -481,9 +481,10 @@ def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int, max_c
     """vLLM's `LLMEngine` of `model` (a folder or hub id) with its core in this process, serving
     processed logprobs (those of the distribution sampled from), decoding up to `max_concurrent`
     sequences at once and taking weights from llmrl's transfer backend."""
-    # Read by vLLM when the engine starts: its core and the CPU build's KV cache.
+    # Read by vLLM when the engine starts: its core and the CPU build's KV cache; `env` last, as for a
+    # managed server.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     os.environ.update(config.env)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
