@@ -241,6 +241,7 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_batch_tokens=args.max_batch_tokens,
         max_concurrent=args.max_concurrent,
+        weight_update=args.weight_update,
     )
     return 0
 
@@ -348,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_inference.add_argument(
         "--max-concurrent", type=int, default=64, help="most sequences decoded together"
+    )
+    serve_inference.add_argument(
+        "--weight-update",
+        default="wait",
+        choices=["wait", "abort", "in_flight"],
+        help="what a weight update does with running requests (inference.weight_update)",
     )
 
     export = command(

@@ -227,7 +227,8 @@ def _import_wandb() -> Any:
 
 class RolloutLog:
     """Appends one JSON line per rollout: step, env_id, problem_id, prompt, completion, reward,
-    status, truncated, policy_version, failure_reason, then any extra fields.
+    status, truncated, policy_version (the oldest weight version among its tokens), newest_version,
+    failure_reason, then any extra fields.
 
     The prompt is the trajectory's first segment and the completion the rest joined (model and
     environment turns alike). A `TokenRollout` without decoded `text` logs them as null.
@@ -270,6 +271,7 @@ def _rollout_record(rollout: TokenRollout | dict[str, Any]) -> JsonRecord:
         "status": rollout.status,
         "truncated": rollout.truncated,
         "policy_version": rollout.policy_version,
+        "newest_version": rollout.newest_version,
         "failure_reason": rollout.failure_reason,
     }
 

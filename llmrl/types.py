@@ -148,6 +148,29 @@ class ChatMessage(WireModel):
     content: str
 
 
+def check_version_changes(changes: list[tuple[int, int]], first: int, length: int) -> None:
+    """`changes` (pairs [token index, version]) must start after the first of `length` tokens, at rising
+    indices, each to a newer version than the one before (`first` at the start)."""
+    index, version = 0, first
+    for at, new in changes:
+        if not index < at < length:
+            raise ValueError(
+                f"version_changes: token index {at} must be above {index} and below the {length} tokens"
+            )
+        if not version < new <= MAX_POLICY_VERSION:
+            raise ValueError(f"version_changes: version {new} at token {at} must be newer than {version}")
+        index, version = at, new
+
+
+def expand_versions(changes: list[tuple[int, int]], first: int, length: int) -> list[int]:
+    """One version per token: `first` until the first change, then each change's version from its index."""
+    versions, version, start = [], first, 0
+    for at, new in changes:
+        versions += [version] * (at - start)
+        version, start = new, at
+    return versions + [version] * (length - start)
+
+
 class InferenceRequest(WireModel):
     """A prompt (plain text or chat messages) and how to sample `n` completions of it."""
 
@@ -196,7 +219,18 @@ class InferenceResponse(WireModel):
     logprobs: list[float] | None = Field(None, description="One logprob per completion token.")
     finish_reason: FinishReason
     policy_version: int = Field(
-        0, ge=0, le=MAX_POLICY_VERSION, description="Version of the weights that generated it."
+        0,
+        ge=0,
+        le=MAX_POLICY_VERSION,
+        description="Version of the weights that generated it (its first token, with in-flight updates).",
+    )
+    version_changes: list[tuple[StrictInt, StrictInt]] = Field(
+        default_factory=list,
+        description=(
+            "Where new weights took over mid-completion (in-flight weight updates): pairs [i, v], completion "
+            "token i and those after it sampled by version v, until the next pair. Empty: every token by "
+            "`policy_version`."
+        ),
     )
 
     @model_validator(mode="after")
@@ -206,7 +240,12 @@ class InferenceResponse(WireModel):
                 f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}; "
                 "there must be one logprob per completion token"
             )
+        check_version_changes(self.version_changes, self.policy_version, len(self.token_ids))
         return self
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each completion token."""
+        return expand_versions(self.version_changes, self.policy_version, len(self.token_ids))
 
 
 class TokenRollout(WireModel):
@@ -227,7 +266,17 @@ class TokenRollout(WireModel):
     status: RolloutStatus = "ok"
     failure_reason: str | None = None
     truncated: bool = Field(False, description="True when the last generation hit max_tokens.")
-    policy_version: int = Field(0, ge=0, description="Oldest weight version used in the trajectory.")
+    policy_version: int = Field(
+        0, ge=0, description="Oldest weight version used in the trajectory (that of its first sampled token)."
+    )
+    version_changes: list[tuple[StrictInt, StrictInt]] = Field(
+        default_factory=list,
+        description=(
+            "Where newer weights took over (a later turn, or in-flight updates within one): pairs [i, v] "
+            "over the flattened trajectory, its sampled tokens from position i on by version v, until the "
+            "next pair. Empty: every sampled token by `policy_version`."
+        ),
+    )
     kind: Literal["token"] = "token"
     """The trajectory's form; token ids are the only one (saved rollout banks carry the field)."""
     trajectory: list[list[int]]
@@ -273,7 +322,18 @@ class TokenRollout(WireModel):
             raise ValueError("generation_mask must have the same segment lengths as trajectory")
         if self.logprobs is not None and [len(lp) for lp in self.logprobs] != lengths:
             raise ValueError("logprobs must have the same segment lengths as trajectory")
+        check_version_changes(self.version_changes, self.policy_version, sum(lengths))
         return self
+
+    @property
+    def newest_version(self) -> int:
+        """Newest weight version used in the trajectory."""
+        return self.version_changes[-1][1] if self.version_changes else self.policy_version
+
+    @property
+    def token_versions(self) -> list[int]:
+        """The weight version at each position of `tokens` (meaningful where `mask` is True)."""
+        return expand_versions(self.version_changes, self.policy_version, sum(map(len, self.trajectory)))
 
     @property
     def tokens(self) -> list[int]:

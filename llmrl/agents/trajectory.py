@@ -20,7 +20,8 @@ class Trajectory:
         self.logprobs: list[list[float]] | None = []
         self.texts: list[str] = []
         self.tokens: list[int] = []
-        self.policy_version: int | None = None
+        self.policy_version: int | None = None  # of the first sampled token, the oldest
+        self.version_changes: list[tuple[int, int]] = []  # where newer weights took over, as in TokenRollout
         self.last: InferenceResponse | None = None
 
     def add_context(self, ids: list[int], text: str) -> None:
@@ -28,10 +29,22 @@ class Trajectory:
         self._add(ids, False, None, text)
 
     def add_completion(self, response: InferenceResponse) -> None:
-        """Append a completion as sampled: its ids, trained on, with their logprobs."""
+        """Append a completion as sampled: its ids, trained on, with their logprobs and versions."""
+        start = len(self.tokens)
+        changes = [(start, response.policy_version)] + [(start + i, v) for i, v in response.version_changes]
+        if self.policy_version is None:
+            self.policy_version = response.policy_version
+            changes = changes[1:]
+        newest = self.version_changes[-1][1] if self.version_changes else self.policy_version
+        for at, version in changes:
+            if version < newest:
+                raise ValueError(
+                    f"the inference interface answered with weight version {version} after version {newest}"
+                )
+            if version > newest:
+                self.version_changes.append((at, version))
+                newest = version
         self._add(response.token_ids, True, response.logprobs, response.text)
-        versions = [v for v in (self.policy_version, response.policy_version) if v is not None]
-        self.policy_version = min(versions)
         self.last = response
 
     def _add(self, ids: list[int], generated: bool, logprobs: list[float] | None, text: str) -> None:
@@ -60,4 +73,5 @@ class Trajectory:
             problem_id=problem_id,
             truncated=self.last.finish_reason == "length",
             policy_version=self.policy_version or 0,
+            version_changes=self.version_changes,
         )

@@ -17,9 +17,12 @@ docs/engine.md explains the design and its measurements; in short:
   ``llmrl.weights.in_process``).
 * **Logprobs**: one per completion token, in float32, of the distribution the token was drawn from
   (after temperature, filters and penalties; greedy requests report the temperature-1 logprob).
-* **Weight updates** happen between decode steps. ``weight_update="drain"``: admission pauses,
+* **Weight updates** happen between decode steps. ``weight_update="wait"``: admission pauses,
   in-flight sequences finish on the old weights (and version), then the new weights load;
-  ``"abort"``: in-flight sequences end at once with ``finish_reason="abort"``. The engine serves the
+  ``"abort"``: in-flight sequences end at once with ``finish_reason="abort"``; ``"in_flight"``: the
+  new weights load at once and running sequences go on with them, keeping the KV cache the old
+  weights computed for their tokens so far (each response's ``version_changes`` says from which
+  token on). The engine serves the
   model it is given and copies new values into it (and into the Llama/Qwen2 decoder's concatenated
   q/k/v and gate/up tensors); do not change that model in place while requests run. With
   ``owns_model`` (`from_config`, the inference server) the decoder releases the model's q/k/v and
@@ -40,7 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from tokenizers.decoders import DecodeStream
@@ -62,7 +65,7 @@ from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightTransport, WeightUpdate, in_process_transports, transport_for
 
-WeightUpdateMode = Literal["drain", "abort"]
+WeightUpdateMode = Literal["wait", "abort", "in_flight"]
 
 
 @dataclass(eq=False)
@@ -106,7 +109,7 @@ class LocalEngine(InferenceInterface):
         max_batch_tokens: int = 8192,
         max_concurrent: int = 64,
         eos_token_ids: list[int] | tuple[int, ...] | None = None,
-        weight_update: WeightUpdateMode = "drain",
+        weight_update: WeightUpdateMode | Literal["drain"] = "wait",
         policy_version: int = 0,
         seed: int | None = None,
         owns_model: bool = False,
@@ -121,7 +124,9 @@ class LocalEngine(InferenceInterface):
             max_concurrent: most sequences in one decode batch.
             eos_token_ids: tokens that end every completion; default: the tokenizer's eos token
                 and the model's generation-config eos ids. ``()`` turns eos off (benchmarks).
-            weight_update: ``"drain"`` or ``"abort"`` in-flight sequences on `update_weights`.
+            weight_update: what `update_weights` does with running sequences: ``"wait"`` for them
+                (``"drain"``, its former name, still works), ``"abort"`` them, or update them
+                ``"in_flight"``.
             policy_version: version stamped on responses until the first `update_weights`.
             seed: seeds the generator that picks a seed for each request without one (None: from
                 the OS).
@@ -134,8 +139,10 @@ class LocalEngine(InferenceInterface):
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        if weight_update not in ("drain", "abort"):
-            raise ValueError(f"weight_update must be 'drain' or 'abort', got {weight_update!r}")
+        if weight_update == "drain":
+            weight_update = "wait"
+        if weight_update not in get_args(WeightUpdateMode):
+            raise ValueError(f"weight_update must be 'wait', 'abort' or 'in_flight', got {weight_update!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         check_supported(model.config)  # before the first generation, not after it
@@ -143,7 +150,7 @@ class LocalEngine(InferenceInterface):
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
         self.max_concurrent = max_concurrent
-        self.weight_update = weight_update
+        self.weight_update: WeightUpdateMode = weight_update
         self.stats = EngineStats()
         self._device = next(model.parameters()).device
         # Built before the decoder releases any of the model's tensors: updates are checked against them all.
@@ -196,6 +203,7 @@ class LocalEngine(InferenceInterface):
             tokenizer,
             max_batch_tokens=config.max_batch_tokens,
             max_concurrent=config.max_concurrent,
+            weight_update=config.weight_update,
             seed=seed,
             owns_model=True,
         )
@@ -363,8 +371,8 @@ class LocalEngine(InferenceInterface):
             cancelled = [row for row, seq in enumerate(self._running) if seq.request.future.cancelled()]
             if cancelled:
                 self._remove_rows(cancelled)
-        if self._updates and (not self._running or self.weight_update == "abort"):
-            if self._running:
+        if self._updates and (not self._running or self.weight_update != "wait"):
+            if self._running and self.weight_update == "abort":
                 for seq in self._running:
                     seq.finish_reason = "abort"
                 self._remove_rows(list(range(len(self._running))))
@@ -420,6 +428,7 @@ class LocalEngine(InferenceInterface):
         return prompts + sum(len(seq.tokens) for seq in self._running)
 
     def _apply_updates(self) -> None:
+        before = self._version
         for update in self._updates:
             try:
                 with torch.inference_mode(False):
@@ -431,6 +440,9 @@ class LocalEngine(InferenceInterface):
                 update.error = exc
             update.done.set()
         self._updates = []
+        if self._version > before:  # in flight: the running rows' next tokens are the new version's
+            for seq in self._running:
+                seq.version_changes.append((len(seq.tokens), self._version))
 
     def _step(self, admitted: list[PendingRequest]) -> None:
         """One engine iteration: decode the running rows, prefill the admitted requests, sample all."""

@@ -401,6 +401,7 @@ def _parse_choice(
         logprobs=logprobs,
         finish_reason=parse_finish_reason(choice.get("finish_reason")),
         policy_version=version,
+        version_changes=choice.get("version_changes") or [],  # llmrl's server, with in-flight updates
     )
 
 

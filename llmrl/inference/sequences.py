@@ -49,6 +49,7 @@ class RunningSequence:
     text: str = ""  # decoded so far, only tracked for stop strings
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    version_changes: list[tuple[int, int]] = field(default_factory=list)  # in-flight updates it spans
     finish_reason: FinishReason | None = None
 
 
@@ -94,6 +95,7 @@ def response(seq: RunningSequence, tokenizer: Any) -> InferenceResponse:
         logprobs=seq.logprobs,
         finish_reason=seq.finish_reason,
         policy_version=request.policy_version,
+        version_changes=seq.version_changes,
     )
 
 

@@ -5,7 +5,7 @@ in OpenAI's shapes, so the official ``openai`` client and other tools work again
 needs more than text, so every response also carries the llmrl extensions: the whole prompt's
 ``prompt_token_ids`` and the ``policy_version`` at the top level, and per choice the completion's
 ``token_ids`` and ``token_logprobs`` (of the distribution each token was sampled from, float32; see
-`llmrl.types`). Requests may add vLLM's sampling extensions ``top_k``, ``min_p``,
+`llmrl.types`), and ``version_changes`` where in-flight weight updates took over mid-completion. Requests may add vLLM's sampling extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and (chat)
 ``chat_template_kwargs``, and ``prompt_token_ids`` (continue after these exact ids: multi-turn
 rollouts never re-tokenise earlier turns).
@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmrl.errors import UserError
-from llmrl.inference.engine import LocalEngine
+from llmrl.inference.engine import LocalEngine, WeightUpdateMode
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
 from llmrl.types import (
     MAX_POLICY_VERSION,
@@ -154,6 +154,7 @@ class _InferenceServer:
             "logprobs": self._openai_logprobs(response, chat) if want_logprobs else None,
             "token_ids": response.token_ids,
             "token_logprobs": response.logprobs,
+            "version_changes": response.version_changes,
         }
 
     def _openai_logprobs(self, response: InferenceResponse, chat: bool) -> dict:
@@ -394,6 +395,7 @@ def serve_inference(
     seed: int = 0,
     max_batch_tokens: int = 8192,
     max_concurrent: int = 64,
+    weight_update: WeightUpdateMode = "wait",
 ) -> None:
     """Load `model_spec` (on the GPU when there is one) and serve it until interrupted.
 
@@ -410,6 +412,7 @@ def serve_inference(
         tokenizer,
         max_batch_tokens=max_batch_tokens,
         max_concurrent=max_concurrent,
+        weight_update=weight_update,
         seed=seed,
         owns_model=True,
     )

@@ -254,6 +254,10 @@ class RolloutPipeline:
     its own event loop while the trainer's thread trains; without one, on the trainer's thread. A seeded run
     therefore generates the same
     tokens with or without interruptions, whatever the timing.
+
+    With `in_flight` weight updates a sync does not wait: batches generating carry on with the new
+    weights (the interface records each token's version), so a batch mixes versions and which token
+    gets which depends on timing.
     """
 
     def __init__(
@@ -269,8 +273,10 @@ class RolloutPipeline:
         bank: RolloutBank,
         max_inference_failure_frac: float | None = None,
         max_user_failure_frac: float | None = None,
+        in_flight: bool = False,
     ):
         self.agents = agents
+        self.in_flight = in_flight
         self.inference = inference
         self.num_groups = num_groups
         self.group_size = group_size
@@ -310,13 +316,16 @@ class RolloutPipeline:
         return self._draw(step) if batch is None else batch.result()
 
     def wait_ahead(self) -> None:
-        """Wait until every submitted batch is complete (before the weights they use change).
+        """Wait until every submitted batch is complete (before the weights they use change); with
+        in-flight updates, only raise a batch already refused.
 
         A refused batch is raised here, before the step now training can be checkpointed: its
-        rerun must start from weights no newer than those the refused batch is to be generated with.
+        rerun must start from weights no newer than those the refused batch is to be generated with
+        (in flight, a batch still generating may be refused after that checkpoint, and its rerun
+        generates it on newer weights).
         """
         for future in list(self._batches.values()):
-            if future is not None:
+            if future is not None and not self.in_flight:
                 future.exception()  # waits; other failures are raised by `get`
         if self._refused is not None:
             raise self._refused
@@ -373,8 +382,20 @@ class RolloutPipeline:
 
 
 def staleness_metrics(groups: Sequence[RolloutGroup], trained_version: int) -> dict[str, float]:
-    """How many weight versions behind the trained policy the step's rollouts were generated."""
-    lags = [trained_version - r.policy_version for g in groups for r in g.rollouts if r.is_valid]
-    if not lags:
+    """How many weight versions behind the trained policy the step's sampled tokens were generated:
+    mean and max over the tokens, and the share of tokens of each age (``rollout/token_age/K``)."""
+    ages: Counter[int] = Counter()
+    for rollout in (r for g in groups for r in g.rollouts if r.is_valid):
+        for sequence in rollout.sequences:
+            sampled = zip(sequence.token_versions, sequence.mask, strict=True)
+            ages.update(trained_version - version for version, generated in sampled if generated)
+    total = sum(ages.values())
+    if not total:
         return {}
-    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+    metrics = {
+        "rollout/staleness_mean": sum(age * count for age, count in ages.items()) / total,
+        "rollout/staleness_max": float(max(ages)),
+    }
+    return metrics | {
+        f"rollout/token_age/{age}": ages[age] / total for age in range(min(ages), max(ages) + 1)
+    }

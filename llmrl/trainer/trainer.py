@@ -325,6 +325,7 @@ class Trainer:
             bank=RolloutBank(self.run_dir),
             max_inference_failure_frac=training.max_inference_failure_frac,
             max_user_failure_frac=training.max_user_failure_frac,
+            in_flight=self.config.inference.weight_update == "in_flight",
         )
 
     def _train_step(self, step: int) -> dict[str, float]:
@@ -347,7 +348,7 @@ class Trainer:
             )
             _step_schedule(self.scheduler)
         with tracer.span("sync", step=step):
-            # batches generating now must finish on the weights they started with
+            # batches generating now must finish on the weights they started with (unless in flight)
             if self.pipeline is not None:
                 self.pipeline.wait_ahead()
             self.weight_sync.sync(step)

@@ -204,14 +204,14 @@ else:
         assert max_logprob_gap(engine, reference(model_dir, new)) < 1e-5
 
     def test_abort_mode_ends_running_requests_at_a_sync(engine, base_weights):
-        engine.config = CONFIG.model_copy(update={"pause_mode": "abort"})
+        engine.pause_mode = "abort"
         try:
             future = engine.submit(long_request(4, max_tokens=240))
             time.sleep(0.3)
             sync(engine, base_weights, 30)
             assert {r.finish_reason for r in future.result(timeout=60)} == {"abort"}
         finally:
-            engine.config = CONFIG
+            engine.pause_mode = "wait"
 
     def test_a_refused_request_fails_alone_and_continuations_keep_their_ids(engine):
         with pytest.raises(ValueError, match="max_tokens: 400"):

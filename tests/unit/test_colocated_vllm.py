@@ -94,9 +94,13 @@ class StandInEngine:
         return tags is None or "kv_cache" in tags
 
 
-def colocated(tiny_model, engine=None, **config):
+def colocated(tiny_model, engine=None, pause_mode="wait", **config):
     return ColocatedVLLM(
-        engine or StandInEngine(), tiny_model[1], config=VLLMConfig(mode="colocate", **config), seed=0
+        engine or StandInEngine(),
+        tiny_model[1],
+        config=VLLMConfig(mode="colocate", **config),
+        seed=0,
+        pause_mode=pause_mode,
     )
 
 

@@ -536,7 +536,7 @@ def _long_request(max_tokens: int = 100, prompt: str = "the quick brown fox") ->
 
 
 @pytest.mark.parametrize("caller", ["thread", "loop"])
-@pytest.mark.parametrize("mode", ["drain", "abort"])
+@pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_weight_update_during_generation(tokenizer, mode, caller):
     # caller "thread": update_weights from another thread while the loop steps the batch;
     # "loop": called (blocking) from a coroutine of the very loop that steps it.
@@ -558,7 +558,7 @@ def test_weight_update_during_generation(tokenizer, mode, caller):
 
     old, new = asyncio.run(scenario())
     assert old.policy_version == 0 and new.policy_version == 7
-    if mode == "drain":
+    if mode == "wait":
         assert old.finish_reason == "length" and len(old.token_ids) == 150
         # Finished on the old weights: its logprobs are the old model's.
         expected = _teacher_forced(_build("qwen2", len(tokenizer)), old.prompt_token_ids, old.token_ids, 1.0)
@@ -566,6 +566,45 @@ def test_weight_update_during_generation(tokenizer, mode, caller):
     else:
         assert old.finish_reason == "abort" and 10 <= len(old.token_ids) < 150
         assert len(old.logprobs) == len(old.token_ids)
+
+
+def test_in_flight_update_continues_running_sequences_on_the_new_weights(tokenizer):
+    model = _build("qwen2", len(tokenizer))
+    engine = LocalEngine(model, tokenizer, eos_token_ids=(), weight_update="in_flight")
+    new_model = _build("qwen2", len(tokenizer), seed=1)
+    request = InferenceRequest(
+        prompt="the quick brown fox", n=2, generation_args=GenerationArgs(max_tokens=30, seed=0)
+    )
+
+    async def scenario():
+        running = asyncio.ensure_future(engine.agenerate(request))
+        for _ in range(12):  # the driver runs one engine step per turn of the loop
+            await asyncio.sleep(0)
+        engine.update_weights(new_model.state_dict(), 7)  # applied before the next step
+        later = await engine.agenerate(_long_request(5))
+        return await running, later
+
+    spanning, (later,) = asyncio.run(scenario())
+    assert later.policy_version == 7 and later.version_changes == []
+    old_model = _build("qwen2", len(tokenizer))
+    for sample in spanning:
+        assert sample.finish_reason == "length" and len(sample.token_ids) == 30
+        ((switch, version),) = sample.version_changes
+        assert sample.policy_version == 0 and version == 7 and 1 < switch < 30
+        assert sample.token_versions() == [0] * switch + [7] * (30 - switch)
+        # Token `switch - 1` was sampled on the old weights and fed to the new ones: the cache holds
+        # the old weights' keys and values up to it, the new weights' from it on.
+        prompt, tokens = sample.prompt_token_ids, sample.token_ids
+        with torch.no_grad():
+            before = old_model(torch.tensor([prompt + tokens[: switch - 1]]), use_cache=True)
+            after = new_model(torch.tensor([tokens[switch - 1 : -1]]), cache=before.past_key_values)
+        logits = torch.cat([before.logits[0, len(prompt) - 1 :], after.logits[0]]).float()
+        swapped = selective_log_softmax(logits, torch.tensor(tokens), 1.0)[0]
+        assert (torch.tensor(sample.logprobs) - swapped).abs().max().item() < 1e-4
+        # A plain forward under either version is not what was sampled from.
+        for reference in (old_model, new_model):
+            forward = _teacher_forced(reference, prompt, tokens, 1.0)
+            assert (torch.tensor(sample.logprobs) - forward).abs().max().item() > 1e-3
 
 
 def test_bad_requests_fail_alone(qwen2, tokenizer):

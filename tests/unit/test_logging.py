@@ -236,6 +236,7 @@ def test_rollout_log_writes_token_and_dict_rollouts(tmp_path):
         "status": "ok",
         "truncated": False,
         "policy_version": 0,
+        "newest_version": 0,
         "failure_reason": None,
         "advantage": 0.8,
     }

@@ -118,6 +118,25 @@ def test_concurrent_agenerate_calls_share_one_loop_client(served):
     assert [len(r) for r in asyncio.run(many())] == [1, 1, 1, 1]
 
 
+def test_in_flight_updates_reach_the_client_as_version_changes(tiny_model):
+    model, tokenizer = tiny_model
+    engine = LocalEngine(copy.deepcopy(model), tokenizer, weight_update="in_flight", eos_token_ids=())
+    remote = interface(httpx.ASGITransport(create_inference_app(engine, model_name="tiny", api_key=KEY)))
+    request = InferenceRequest(prompt="1 +", n=2, generation_args=GenerationArgs(max_tokens=600, seed=1))
+
+    async def scenario():
+        running = asyncio.ensure_future(remote.agenerate(request))
+        while engine.stats.completion_tokens < 20:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(remote.update_weights, shifted_state(engine), 4)
+        return await running
+
+    for response in asyncio.run(scenario()):
+        ((switch, version),) = response.version_changes
+        assert response.policy_version == 0 and version == 4 and 10 <= switch < 600
+        assert response.token_versions() == [0] * switch + [4] * (600 - switch)
+
+
 def test_update_weights_through_a_shared_folder(served):
     engine, transport, folder = served
     remote = interface(transport, model="tiny", weights_dir=folder)

@@ -5,7 +5,7 @@ thread, the driver, owns it and does everything that touches it, in order: it ad
 that `agenerate` queues (each rendered into token ids here, as the embedded engine renders it, so
 vLLM never tokenises a conversation again), steps the engine while any run, and answers each
 request when vLLM finishes it. A weight sync is a job for the same thread, between two steps:
-``pause_mode: wait`` first lets running requests finish on the old weights (new ones wait),
+``inference.weight_update: wait`` first lets running requests finish on the old weights (new ones wait),
 ``abort`` ends them at once (``finish_reason: abort``). The sync itself hands the trainer's tensors
 to llmrl's transfer backend inside vLLM's worker through vLLM's own weight-update calls, which in
 this process pass Python objects by reference: the backend checks every tensor (name, shape, finite
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -38,6 +38,7 @@ from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
 from llmrl.inference.openai import parse_finish_reason
 from llmrl.inference.prompts import prompt_token_ids
+from llmrl.inference.vllm.compatibility import vllm_pause_mode
 from llmrl.models.shape import tied_duplicates
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import (
@@ -87,21 +88,25 @@ class ColocatedVLLM(InferenceInterface):
         seed: int | None = None,
         policy_version: int = 0,
         base_model: torch.nn.Module | None = None,
+        pause_mode: Literal["wait", "abort"] = "wait",
     ):
         """
         Args:
             engine: a vLLM `LLMEngine` whose core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
                 started with llmrl's transfer backend (`from_config` builds one).
             tokenizer: the model's tokenizer, which renders every prompt into token ids.
-            config: the vLLM section (`pause_mode`, `sleep_level`).
+            config: the vLLM section (`sleep_level`).
             seed: seeds the generator that gives each request without a seed its own (None: from the OS).
             policy_version: version stamped on responses until the first sync.
             base_model: the model LoRA adapters adapt, whose weights they are merged onto
                 (`ColocatedAdapters`); None: the engine takes whole weights only.
+            pause_mode: what a sync does with running requests: ``wait`` until they finish, or
+                ``abort`` them.
         """
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
+        self.pause_mode = pause_mode
         self.transport = ColocatedWeights(self)
         self.transports: list[WeightTransport[Any]] = [self.transport]
         if base_model is not None:
@@ -138,7 +143,14 @@ class ColocatedVLLM(InferenceInterface):
             )
         engine = start_engine(served, model.dtype, vllm, seed=seed, max_concurrent=config.max_concurrent)
         tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
-        return cls(engine, tokenizer, config=vllm, seed=seed, base_model=base_model)
+        return cls(
+            engine,
+            tokenizer,
+            config=vllm,
+            seed=seed,
+            base_model=base_model,
+            pause_mode=vllm_pause_mode(config),
+        )
 
     @property
     def policy_version(self) -> int:
@@ -189,7 +201,7 @@ class ColocatedVLLM(InferenceInterface):
 
     def run_job(self, run: Callable[[], Any], *, drain: bool) -> Any:
         """Run `run` on the driver between two engine steps and return its result; with `drain`, once
-        no request runs (`pause_mode: wait`) or after ending those that do (`abort`)."""
+        no request runs (`pause_mode` wait) or after ending those that do (abort)."""
         job = _Job(run, drain)
         with self._condition:
             if self._closed:
@@ -230,7 +242,7 @@ class ColocatedVLLM(InferenceInterface):
         """Whether `job` may run now; in `abort` mode, ends the running requests first."""
         if not job.drain or not self._running:
             return True
-        if self.config.pause_mode == "abort":
+        if self.pause_mode == "abort":
             self.engine.abort_request(list(self._running), internal=False)
             for request_id in list(self._running):
                 self._finish_aborted(request_id)

@@ -9,10 +9,11 @@ everything found missing and the command that starts a compatible server.
 
 from __future__ import annotations
 
+import logging
 import shlex
-from typing import Any
+from typing import Any, Literal
 
-from llmrl.config import VLLMConfig
+from llmrl.config import InferenceConfig, VLLMConfig
 from llmrl.errors import UserError
 from llmrl.inference.openai import InferenceServerError, UnsupportedServerError
 from llmrl.inference.vllm.routes import VLLMRoutes
@@ -24,9 +25,29 @@ from llmrl.inference.vllm.server import (
     transfer_backend,
 )
 
+log = logging.getLogger(__name__)
+
 
 class IncompatibleServerError(UnsupportedServerError, UserError):
     """A vLLM server was started without what training needs; the message says how to start it."""
+
+
+def vllm_pause_mode(config: InferenceConfig) -> Literal["wait", "abort"]:
+    """How a sync pauses vLLM for `config.weight_update`: `in_flight` runs as `wait`, with a notice.
+
+    vLLM 0.32 can keep requests running across an update (``pause_generation(mode="keep",
+    clear_cache=False)``), but not as llmrl's in-flight updates need: its responses do not say at
+    which token the new weights took over (no version per token), and its prefix cache cannot be
+    reset while kept requests hold blocks (`reset_prefix_cache` fails, or preempts them and recomputes
+    their cache with the new weights), so new requests could reuse prefixes the old weights computed.
+    """
+    if config.weight_update != "in_flight":
+        return config.weight_update
+    log.warning(
+        "inference.weight_update: in_flight runs as wait on vLLM (its responses carry no version per token, "
+        "and its prefix cache cannot be reset under running requests; docs/training.md)"
+    )
+    return "wait"
 
 
 async def check_trainable(
