@@ -420,6 +420,15 @@ class TrainingConfig(Section):
     generation_lag: int = Field(0, ge=0)
     """Steps generation runs ahead of training: batch t is generated with the weights of step t-1-lag while
     earlier steps train (0 = on-policy, no overlap)."""
+    partial_rollouts: bool = False
+    """With a lag: generate continuously, one group at a time, keeping up to (lag + 1) x prompts_per_step groups
+    generating or waiting; each step trains on the first `prompts_per_step` groups to complete, and a group
+    that misses a batch goes into a later one (never dropped for being slow). Batches then depend on timing:
+    runs are not bitwise repeatable (docs/training.md)."""
+    max_staleness: int | None = Field(None, ge=1)
+    """With partial rollouts: most weight versions a group's oldest token may be behind the policy it trains;
+    a complete group older than that is dropped and a new one drawn (`rollout/stale_dropped`), which favours
+    short answers among the slowest groups. At least `generation_lag`. None: no bound."""
     max_inference_failure_frac: float | None = Field(None, ge=0.0, lt=1.0)
     """Largest fraction of a batch's rollouts that may fail in inference (server unreachable, refused, timed
     out); a batch over it is neither banked nor trained on, and the run stops so that a rerun regenerates it.
@@ -554,6 +563,7 @@ class RunConfig(Section):
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
         self._check_colocation()
+        self._check_partial_rollouts()
         if (
             self.model.lora is not None
             and self.inference.type == "vllm"
@@ -583,6 +593,31 @@ class RunConfig(Section):
                 f"({self.evaluation.samples_per_prompt}), got {too_big}"
             )
         return self
+
+    def _check_partial_rollouts(self) -> None:
+        training = self.training
+        if training.max_staleness is not None and not training.partial_rollouts:
+            raise ValueError(
+                "training.max_staleness: only partial rollouts carry groups over to later steps; without them "
+                "a token is at most training.generation_lag versions old"
+            )
+        if not training.partial_rollouts:
+            return
+        if training.generation_lag < 1:
+            raise ValueError(
+                "training.partial_rollouts: needs training.generation_lag >= 1 (with no lag every batch is "
+                "generated whole before its step)"
+            )
+        if training.max_staleness is not None and training.max_staleness < training.generation_lag:
+            raise ValueError(
+                f"training.max_staleness: {training.max_staleness} is below training.generation_lag "
+                f"({training.generation_lag}), which makes every token that old by design"
+            )
+        if self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling: not with training.partial_rollouts (groups are drawn one at a "
+                "time; a group without signal still trains)"
+            )
 
     def _check_colocation(self) -> None:
         vllm = self.inference.vllm

@@ -124,6 +124,27 @@ class WeightedMultiTask:
             drawn = await asyncio.gather(*draws)
         return [group for groups in drawn for group in groups]
 
+    def slots(self, num_groups: int) -> list[int]:
+        """The agent index of each of a step's `num_groups` groups (`allocation`, in agent order): drawing
+        one group at a time, group k comes from ``slots[k % num_groups]``, so every `num_groups`
+        consecutive groups follow the weights as a step's batch does."""
+        return [i for i, count in enumerate(self.allocation(num_groups)) for _ in range(count)]
+
+    async def one_group(
+        self,
+        agent_index: int,
+        inference: InferenceInterface,
+        group_size: int,
+        generation_args: GenerationArgs | None = None,
+    ) -> RolloutGroup:
+        """One group from the agent at `agent_index` (a placeholder group when its agent raises).
+
+        Built-in agents draw the problem before their first `await`, so the agents' state right after
+        this coroutine first yields includes it (partial rollouts rely on that to regenerate a group)."""
+        agent = self.agents[agent_index]
+        (group,) = await self._safe_group_rollouts(agent, 1, inference, group_size, generation_args)
+        return group
+
     async def _draw(
         self,
         agent: Agent,

@@ -13,13 +13,27 @@ On resume from a checkpoint at step k, the batches banked for steps k+1, k+2, ..
 before the crash, possibly on older weights when generation runs ahead) are trained on before new
 ones are generated, each exactly once. A checkpoint compacts the bank to the batches it has not
 trained on yet.
+
+With partial rollouts (`llmrl.trainer.partial`) groups are generated one at a time and batches are
+made of whichever complete first, so the bank records groups, not batches, in three kinds of line:
+
+    {"launch": [40, 41], "agents": {...}}              groups 40 and 41 started; the agents' state after
+    {"group": 40, "rollouts": {...}}                   group 40 complete
+    {"batch": 6, "indices": [33, 35, 40, ...]}         the groups step 6 trains on
+    {"dropped": [41], "step": 7}                       groups never to be trained (too stale, or lost)
+
+A resumed run trains the recorded batches of later steps again as they were, puts the complete groups
+no batch took back in the pool, drops the groups that were still running (their problems are skipped),
+and draws new ones from the agents' state after the newest launch. A checkpoint drops the lines of the
+groups it trained or dropped.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +42,10 @@ from llmrl.telemetry import ends_with_newline, read_jsonl
 from llmrl.types import RolloutGroup
 
 BANK_FILE = "rollout_bank.jsonl"
+
+_WRITING = threading.Lock()
+"""Held while any bank of this process appends or rewrites: generation appends from its own thread
+while a checkpoint compacts."""
 
 
 @dataclass
@@ -44,8 +62,27 @@ class BankedBatch:
             "groups": [g.model_dump(mode="json") for g in self.groups],
             "agents": self.agent_state,
         }
-        payload = _canonical(record)
-        return f'{{"crc32":{zlib.crc32(payload.encode())},"record":{payload}}}\n'
+        return _line(record)
+
+
+@dataclass
+class PartialRecords:
+    """What the bank holds of a run with partial rollouts (see the module docstring)."""
+
+    launched: list[int] = field(default_factory=list)
+    """Indices of the groups launched, in launch order."""
+    agent_state: dict[str, Any] | None = None
+    """The agents' state after the newest launch."""
+    groups: dict[int, RolloutGroup] = field(default_factory=dict)
+    """Complete groups by index, in completion order."""
+    batches: dict[int, list[int]] = field(default_factory=dict)
+    """Training step -> the indices of the groups its batch took."""
+    dropped: set[int] = field(default_factory=set)
+    """Groups that will never be trained."""
+
+
+Entry = BankedBatch | dict[str, Any]
+_PARTIAL_KINDS = frozenset({"launch", "group", "batch", "dropped"})
 
 
 class RolloutBank:
@@ -56,18 +93,46 @@ class RolloutBank:
 
     def append(self, batch: BankedBatch) -> None:
         """Write one batch as one flushed line (a torn line from an earlier crash is cut off first)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not ends_with_newline(self.path):
-            self._rewrite(self.read())
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(batch.to_line())
-            handle.flush()
+        self._append(batch.to_line())
+
+    def append_record(self, record: dict[str, Any]) -> None:
+        """Write one partial-rollouts record (a launch, a group or a batch) as one flushed line."""
+        self._append(_line(record))
 
     def read(self) -> list[BankedBatch]:
         """Every intact batch, in file order; torn or corrupt lines are skipped with a warning."""
+        return [e for e in self._entries() if isinstance(e, BankedBatch)]
+
+    def read_partial(self) -> PartialRecords:
+        """The partial-rollouts records, parsed (complete groups validated)."""
+        records = PartialRecords()
+        for entry in self._entries():
+            if isinstance(entry, BankedBatch):
+                continue
+            if "launch" in entry:
+                records.launched += entry["launch"]
+                records.agent_state = entry["agents"]
+            elif "group" in entry:
+                records.groups[entry["group"]] = RolloutGroup.model_validate(entry["rollouts"])
+            elif "batch" in entry:
+                records.batches[entry["batch"]] = list(entry["indices"])
+            elif "dropped" in entry:
+                records.dropped.update(entry["dropped"])
+        return records
+
+    def _entries(self) -> list[Entry]:
         if not self.path.exists():
             return []
         return read_jsonl(self.path, _parse, skip_bad_lines=True)
+
+    def _append(self, line: str) -> None:
+        with _WRITING:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not ends_with_newline(self.path):
+                self._rewrite(self._entries())
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(line)
+                handle.flush()
 
     def pending(self, trained_step: int) -> list[BankedBatch]:
         """The banked batches for steps trained_step+1, trained_step+2, ... without a gap."""
@@ -80,12 +145,50 @@ class RolloutBank:
         return found
 
     def compact(self, trained_step: int) -> None:
-        """Keep only the batches for steps after `trained_step` (called once that step is checkpointed)."""
-        if self.path.exists():
-            self._rewrite(self.pending(trained_step))
+        """Keep only what steps after `trained_step` train on (called once that step is checkpointed):
+        their batches, and the partial-rollouts records of groups no step up to it took."""
+        with _WRITING:
+            if not self.path.exists():
+                return
+            entries = self._entries()
+            pending = self.pending(trained_step)
+            done = {
+                index
+                for e in entries
+                if isinstance(e, dict) and e.get("batch", e.get("step", trained_step + 1)) <= trained_step
+                for index in e.get("indices", e.get("dropped", []))
+            }
+            kept: list[Entry] = []
+            for e in entries:
+                if isinstance(e, BankedBatch):
+                    if e in pending:
+                        kept.append(e)
+                elif "launch" in e:  # kept for the groups not done, and for the newest agents' state
+                    kept.append(e | {"launch": [i for i in e["launch"] if i not in done]})
+                elif _partial_kept(e, trained_step, done):
+                    kept.append(e)
+            launches = [e for e in kept if isinstance(e, dict) and "launch" in e]
+            kept = [e for e in kept if not (isinstance(e, dict) and e in launches[:-1] and not e["launch"])]
+            self._rewrite(kept)
 
-    def _rewrite(self, batches: list[BankedBatch]) -> None:
-        atomic_write(self.path, "".join(b.to_line() for b in batches))
+    def _rewrite(self, entries: list[Entry]) -> None:
+        atomic_write(
+            self.path, "".join(e.to_line() if isinstance(e, BankedBatch) else _line(e) for e in entries)
+        )
+
+
+def _partial_kept(record: dict[str, Any], trained_step: int, done: set[int]) -> bool:
+    """Whether a checkpoint of `trained_step` keeps `record`; `done`: the groups trained or dropped by then."""
+    if "batch" in record:
+        return record["batch"] > trained_step
+    if "dropped" in record:
+        return record["step"] > trained_step
+    return record["group"] not in done
+
+
+def _line(record: dict[str, Any]) -> str:
+    payload = _canonical(record)
+    return f'{{"crc32":{zlib.crc32(payload.encode())},"record":{payload}}}\n'
 
 
 def _canonical(record: dict[str, Any]) -> str:
@@ -93,10 +196,13 @@ def _canonical(record: dict[str, Any]) -> str:
     return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
-def _parse(entry: dict[str, Any]) -> BankedBatch:
-    """One bank line's batch; a `ValueError` when its checksum does not match its record."""
+def _parse(entry: dict[str, Any]) -> Entry:
+    """One bank line's batch, or its partial-rollouts record as it is; a `ValueError` when its checksum
+    does not match its record."""
     record = entry["record"]
     if zlib.crc32(_canonical(record).encode()) != entry["crc32"]:
         raise ValueError("checksum mismatch")
+    if not _PARTIAL_KINDS.isdisjoint(record):
+        return record
     groups = [RolloutGroup.model_validate(g) for g in record["groups"]]
     return BankedBatch(step=int(record["step"]), groups=groups, agent_state=record["agents"])

@@ -129,6 +129,33 @@ def _stop_line(share: str, step: int, failures: Counter[str]) -> str:
     )
 
 
+class BatchChecks:
+    """Whether a batch may be trained on (`inference_failure`, `UserCodeFailures`), as the error the run
+    stops with when not."""
+
+    def __init__(
+        self,
+        inference: InferenceInterface,
+        max_inference_failure_frac: float | None,
+        max_user_failure_frac: float | None,
+    ):
+        self.inference = inference
+        self.max_inference_failure_frac = max_inference_failure_frac
+        self.user_code_failures = UserCodeFailures(max_user_failure_frac)
+
+    def refusal(
+        self, step: int, groups: Sequence[RolloutGroup], started: float
+    ) -> InferenceUnavailableError | UserCodeError | None:
+        """Why the batch of `step` (generation began at `started`) must not be trained on, or None."""
+        failure = inference_failure(groups, self.max_inference_failure_frac)
+        if failure is not None:
+            return InferenceUnavailableError(
+                unavailable_line(self.inference, f"batch of step {step}: {failure}", started)
+            )
+        stop_line = self.user_code_failures.stop_line(step, groups)
+        return UserCodeError(stop_line) if stop_line is not None else None
+
+
 @dataclass
 class RolloutBatch:
     """The rollouts of one step that reach the loss, with one advantage each."""
@@ -284,8 +311,7 @@ class RolloutPipeline:
         self.lag = lag
         self.last_step = last_step
         self.bank = bank
-        self.max_inference_failure_frac = max_inference_failure_frac
-        self.user_code_failures = UserCodeFailures(max_user_failure_frac)
+        self.checks = BatchChecks(inference, max_inference_failure_frac, max_user_failure_frac)
         # Later batches are not drawn after a refused one.
         self._refused: InferenceUnavailableError | UserCodeError | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-rollouts")
@@ -350,6 +376,10 @@ class RolloutPipeline:
             del self._state_after[step]
         return self._state_after[trained_step]
 
+    def pop_metrics(self) -> dict[str, float]:
+        """The pipeline's own metrics since the last call: none, a batch being one step's draw."""
+        return {}
+
     def close(self) -> None:
         for future in self._batches.values():
             if future is not None:
@@ -365,15 +395,8 @@ class RolloutPipeline:
                 self.inference, self.num_groups, self.group_size, self.generation_args(step)
             )
         )
-        failure = inference_failure(groups, self.max_inference_failure_frac)
-        if failure is not None:
-            self._refused = InferenceUnavailableError(
-                unavailable_line(self.inference, f"batch of step {step}: {failure}", started)
-            )
-            raise self._refused
-        stop_line = self.user_code_failures.stop_line(step, groups)
-        if stop_line is not None:
-            self._refused = UserCodeError(stop_line)
+        self._refused = self.checks.refusal(step, groups, started)
+        if self._refused is not None:
             raise self._refused
         state = self.agents.state_dict()
         self.bank.append(BankedBatch(step=step, groups=groups, agent_state=state))

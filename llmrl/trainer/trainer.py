@@ -60,6 +60,7 @@ from llmrl.trainer.evaluator import Evaluator
 from llmrl.trainer.memory import GB, PeakMemory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
 from llmrl.trainer.outputs import RunOutputs, SilentOutputs
+from llmrl.trainer.partial import PartialRolloutPipeline
 from llmrl.trainer.policy import load_policy, plan_training_memory
 from llmrl.trainer.progress import ProgressDisplay
 from llmrl.trainer.rollouts import RolloutPipeline, prepare_batch, rollout_metrics, staleness_metrics
@@ -167,7 +168,7 @@ class Trainer:
         self.evaluator = Evaluator(self.agents, config.evaluation, self.generation_args)
         self.outputs = RunOutputs(config) if self.is_main else SilentOutputs(config)
 
-        self.pipeline: RolloutPipeline | None = None
+        self.pipeline: RolloutPipeline | PartialRolloutPipeline | None = None
         self.step = 0
         self.seconds = 0.0  # training wall time over all sessions of this run
         if checkpoint:
@@ -306,20 +307,35 @@ class Trainer:
             return requested
         return lambda: distributed.any(requested())
 
-    def _pipeline(self) -> RolloutPipeline:
+    def _pipeline(self) -> RolloutPipeline | PartialRolloutPipeline:
         training = self.config.training
 
-        def generation_args(step: int) -> GenerationArgs:
+        def seeded(*keys: object) -> GenerationArgs:
+            """The rollouts' sampling options with a seed of their own, derived from `keys`."""
             return self.generation_args.merge(
-                GenerationArgs(seed=derive_seed(self.generation_args.seed, "step", step))
+                GenerationArgs(seed=derive_seed(self.generation_args.seed, *keys))
             )
 
+        if training.partial_rollouts:
+            return PartialRolloutPipeline(
+                self.agents,
+                self.inference,
+                num_groups=training.prompts_per_step,
+                group_size=training.group_size,
+                generation_args=lambda index: seeded("group", index),
+                lag=training.generation_lag,
+                last_step=training.steps,
+                bank=RolloutBank(self.run_dir),
+                max_staleness=training.max_staleness,
+                max_inference_failure_frac=training.max_inference_failure_frac,
+                max_user_failure_frac=training.max_user_failure_frac,
+            )
         return RolloutPipeline(
             self.agents,
             self.inference,
             num_groups=training.prompts_per_step,
             group_size=training.group_size,
-            generation_args=generation_args,
+            generation_args=lambda step: seeded("step", step),
             lag=training.generation_lag,
             last_step=training.steps,
             bank=RolloutBank(self.run_dir),
@@ -382,6 +398,8 @@ class Trainer:
             groups, advantages, correct_threshold=self.config.evaluation.correct_threshold
         )
         metrics |= staleness_metrics(groups, trained_version=step - 1)
+        if self.pipeline is not None:
+            metrics |= self.pipeline.pop_metrics()
         # The loss's metrics go under train/; distillation's come named (distill/...).
         metrics |= {
             key if key.startswith("distill/") else f"train/{key}": value for key, value in update.items()

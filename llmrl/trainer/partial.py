@@ -1,0 +1,299 @@
+"""Partial rollouts: groups generated continuously, one at a time, batches made of whichever complete first.
+
+`PartialRolloutPipeline` stands in for `llmrl.trainer.rollouts.RolloutPipeline` when
+`training.partial_rollouts` is on (with a lag). A worker thread keeps up to ``(lag + 1) *
+num_groups`` groups generating, complete or in the step training now, and launches new groups as
+soon as a step's new weights serve (as `RolloutPipeline` submits a batch), so that a group that
+completes in time is at most `lag` versions old when trained. Group k comes from the agent of ``agents.slots(num_groups)[k % num_groups]``, so
+every `num_groups` consecutive groups follow the environments' weights, and is sampled with a seed
+derived from k. The batch of step t is the first `num_groups` groups to complete that no earlier
+batch took: a slow group is trained in a later batch, never dropped, so long answers are not
+trained less often than short ones. Its rollouts may then be older than the lag: with
+`max_staleness`, a complete group whose oldest token is more versions behind the policy about to
+train on it than that is dropped (`rollout/stale_dropped`) and a new group takes its room. That
+bound does favour short answers, among the slowest groups only; regenerating the same problem
+instead would need agents that can draw a problem again, which the `Agent` contract does not offer.
+
+The engine never runs dry between steps, so with ``inference.weight_update: in_flight`` every sync
+lands in the middle of running sequences, which go on with the new weights.
+
+Which groups a batch takes depends on timing, so such a run is not bitwise repeatable. The rollout
+bank records every launch, complete group and batch (`llmrl.trainer.bank`); a resumed run trains the
+recorded batches of later steps as they were, puts complete groups no batch took back in the pool,
+drops the groups that were still running (their problems are skipped: logged, and counted in
+`rollout/lost_at_interruption`) and goes on drawing from the agents' state after the newest launch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from llmrl.agents.base import failed_in_inference
+from llmrl.agents.multi_task import WeightedMultiTask
+from llmrl.inference.interface import InferenceInterface, run_in_new_loop
+from llmrl.trainer.bank import RolloutBank
+from llmrl.trainer.rollouts import BatchChecks
+from llmrl.types import GenerationArgs, RolloutGroup
+
+log = logging.getLogger(__name__)
+
+AgentState = dict[str, Any]
+
+
+class PartialRolloutPipeline:
+    """Continuous generation of groups for training steps up to `last_step` (see the module docstring)."""
+
+    def __init__(
+        self,
+        agents: WeightedMultiTask,
+        inference: InferenceInterface,
+        *,
+        num_groups: int,
+        group_size: int,
+        generation_args: Callable[[int], GenerationArgs],
+        lag: int,
+        last_step: int,
+        bank: RolloutBank,
+        max_staleness: int | None = None,
+        max_inference_failure_frac: float | None = None,
+        max_user_failure_frac: float | None = None,
+    ):
+        """
+        Args:
+            generation_args: the sampling options of group k (its seed derived from k).
+            lag: generation runs up to `lag` batches ahead: ``(lag + 1) * num_groups`` groups at once.
+            max_staleness: most versions a trained group's oldest token may be behind the policy
+                that trains on it (None: no bound).
+        """
+        self.agents = agents
+        self.inference = inference
+        self.num_groups = num_groups
+        self.group_size = group_size
+        self.generation_args = generation_args
+        self.capacity = (lag + 1) * num_groups
+        self.last_step = last_step
+        self.bank = bank
+        self.max_staleness = max_staleness
+        self.checks = BatchChecks(inference, max_inference_failure_frac, max_user_failure_frac)
+        self._slots = agents.slots(num_groups)
+        self._condition = threading.Condition()
+        # Guarded by _condition:
+        self._running: set[int] = set()
+        self._ready: dict[int, RolloutGroup] = {}  # complete, untaken, in completion order
+        self._next_index = 0
+        self._new_left = 0  # groups still to launch for the run's steps
+        self._held = 0  # groups of the step training now: their room frees once its weights serve
+        self._latest_state: AgentState = {}  # the agents' state after the newest launch
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._metrics: Counter[str] = Counter()
+        # Set once the worker runs:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._replay: dict[int, list[RolloutGroup]] = {}  # batches recorded for steps not yet trained
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-partial-rollouts")
+
+    # -- the trainer's side ----------------------------------------------------------------------
+
+    def start(self, trained_step: int) -> int:
+        """Continue after `trained_step` from what the bank holds, and start generating.
+
+        Returns how many recorded batches are trained again as they were."""
+        records = self.bank.read_partial()
+        later = sorted(s for s in records.batches if s > trained_step)
+        self._replay = {s: [records.groups[k] for k in records.batches[s]] for s in later}
+        done = records.dropped | {k for s in later for k in records.batches[s]}
+        for index, group in records.groups.items():
+            # A group that failed in inference is not trained on (a dead server): dropped.
+            if index not in done and not any(failed_in_inference(r) for r in group.rollouts):
+                self._ready[index] = group
+        lost = [k for k in records.launched if k not in done and k not in self._ready]
+        if lost:
+            self.bank.append_record({"dropped": lost, "step": trained_step + 1})
+            self._metrics["rollout/lost_at_interruption"] = len(lost)
+            log.warning(
+                "%d group(s) that were generating or failed in inference at the interruption are dropped "
+                "(their problems are skipped)",
+                len(lost),
+            )
+        if records.agent_state is not None:
+            self.agents.load_state_dict(records.agent_state)
+        # Indices only name groups and derive their seeds: without launch records, none is in use.
+        self._next_index = max(records.launched, default=trained_step * self.num_groups - 1) + 1
+        self._latest_state = self.agents.state_dict()
+        steps_left = self.last_step - trained_step - len(self._replay)
+        self._new_left = max(0, steps_left * self.num_groups - len(self._ready))
+        self._worker.submit(contextvars.copy_context().run, self._work)
+        return len(self._replay)
+
+    def get(self, step: int) -> list[RolloutGroup]:
+        """The groups of training step `step`: the first `num_groups` to complete (waits for them)."""
+        if step in self._replay:
+            return self._replay.pop(step)
+        started = time.time()
+        with self._condition:
+            while True:
+                if self._failure is not None:
+                    raise self._failure
+                self._drop_stale(step)
+                if len(self._ready) >= self.num_groups:
+                    break
+                self._condition.wait()
+            indices = list(self._ready)[: self.num_groups]
+            groups = [self._ready.pop(k) for k in indices]
+            self._held = len(indices)
+            self._metrics["rollout/groups_complete_left"] = len(self._ready)
+            self._metrics["rollout/groups_running"] = len(self._running)
+        refusal = self.checks.refusal(step, groups, started)
+        if refusal is not None:
+            self._fail(refusal)
+            raise refusal
+        self.bank.append_record({"batch": step, "indices": indices})
+        return groups
+
+    def wait_ahead(self) -> None:
+        """Nothing to wait for (generation never pauses for a sync); raises a failure of the generator."""
+        with self._condition:
+            if self._failure is not None:
+                raise self._failure
+
+    def submit_ahead(self, trained_step: int) -> None:
+        """The weights of `trained_step` serve: the room of its batch goes to new groups."""
+        del trained_step
+        with self._condition:
+            self._held = 0
+        self._wake_worker()
+
+    def agent_state(self, trained_step: int) -> AgentState:
+        """The agents' state after the newest launch (a resume without launch records in the bank
+        continues from there)."""
+        del trained_step
+        with self._condition:
+            return self._latest_state
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Groups dropped for staleness since the last call, and the pool as the last batch left it."""
+        with self._condition:
+            metrics = {key: float(value) for key, value in self._metrics.items()}
+            self._metrics = Counter()
+        if self.max_staleness is not None:
+            metrics.setdefault("rollout/stale_dropped", 0.0)
+        return metrics
+
+    def close(self) -> None:
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        self._wake_worker()
+        self._worker.shutdown(wait=True)
+
+    def _drop_stale(self, step: int) -> None:
+        """Condition held: drop the complete groups too old for the batch of `step` (trained on the weights
+        of step - 1); new groups take their room."""
+        if self.max_staleness is None:
+            return
+        oldest = step - 1 - self.max_staleness
+        stale = [k for k, group in self._ready.items() if _oldest_version(group) < oldest]
+        if not stale:
+            return
+        for index in stale:
+            del self._ready[index]
+        self.bank.append_record({"dropped": stale, "step": step})
+        self._metrics["rollout/stale_dropped"] += len(stale)
+        self._new_left += len(stale)
+        self._wake_worker()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._condition:
+            if self._failure is None:
+                self._failure = error
+            self._closed = True
+            self._condition.notify_all()
+        self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop has closed: nothing left to wake
+                pass
+
+    # -- the worker ------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            run_in_new_loop(self._generate())
+        except BaseException as exc:  # noqa: BLE001 - reported to the trainer by `get`
+            log.debug("partial rollouts stopped", exc_info=True)
+            self._fail(exc)
+
+    async def _generate(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        tasks: set[asyncio.Task[None]] = set()
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            while True:
+                with self._condition:
+                    if self._closed:
+                        return
+                    due = self._due()
+                if due:
+                    tasks |= await self._launch(due)
+                done, _ = await asyncio.wait({*tasks, woken}, return_when=asyncio.FIRST_COMPLETED)
+                tasks -= done
+                for task in done - {woken}:
+                    task.result()  # a failure here stops the run
+                if woken in done:
+                    self._wake.clear()
+                    woken = asyncio.ensure_future(self._wake.wait())
+        finally:
+            for task in [*tasks, woken]:
+                task.cancel()
+            await asyncio.gather(*tasks, woken, return_exceptions=True)
+
+    def _due(self) -> list[int]:
+        """Condition held: the indices of the groups to launch now, as far as the room allows."""
+        room = self.capacity - len(self._running) - len(self._ready) - self._held
+        count = max(0, min(room, self._new_left))
+        due = list(range(self._next_index, self._next_index + count))
+        self._next_index += count
+        self._new_left -= count
+        self._running.update(due)
+        return due
+
+    async def _launch(self, indices: list[int]) -> set[asyncio.Task[None]]:
+        """Start the groups at `indices` together (one prefill for their prompts)."""
+        tasks = {
+            asyncio.ensure_future(self._run_group(index, self._slots[index % self.num_groups]))
+            for index in indices
+        }
+        await asyncio.sleep(0)  # each group's first step: its agent draws the problem
+        state = self.agents.state_dict()
+        self.bank.append_record({"launch": indices, "agents": state})
+        with self._condition:
+            self._latest_state = state
+        return tasks
+
+    async def _run_group(self, index: int, slot: int) -> None:
+        group = await self.agents.one_group(
+            slot, self.inference, self.group_size, self.generation_args(index)
+        )
+        self.bank.append_record({"group": index, "rollouts": group.model_dump(mode="json")})
+        with self._condition:
+            self._running.discard(index)
+            self._ready[index] = group
+            self._condition.notify_all()
+
+
+def _oldest_version(group: RolloutGroup) -> float:
+    versions = [r.policy_version for r in group.rollouts if r.is_valid]
+    return min(versions) if versions else float("inf")

@@ -1,0 +1,152 @@
+"""Partial rollouts: batches of the groups that complete first, none lost or trained twice, across an
+interruption too, and the staleness bound."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llmrl.agents import WeightedMultiTask
+from llmrl.config import ConfigError, load_config
+from llmrl.trainer.bank import RolloutBank
+from llmrl.trainer.partial import PartialRolloutPipeline
+from llmrl.types import GenerationArgs
+from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of
+
+GROUPS = 4
+
+
+def slow_every(nth: int, seconds: float):
+    """A delay for the problems whose number is a multiple of `nth`."""
+    return lambda prompt: seconds if int(answer_of(prompt)[1:]) % nth == 0 else 0.0
+
+
+class Admitting(ScriptedInference):
+    """Stamps responses with the version their request was admitted under, as the engines do."""
+
+    async def agenerate(self, request):
+        version = self.policy_version
+        responses = await super().agenerate(request)
+        return [r.model_copy(update={"policy_version": version}) for r in responses]
+
+
+def agents() -> WeightedMultiTask:
+    return WeightedMultiTask([EchoAgent(env_id="echo", seed=0, eval_size=4, num_problems=60)], [1.0])
+
+
+def pipeline(tmp_path, inference, team, *, steps, max_staleness=None) -> PartialRolloutPipeline:
+    return PartialRolloutPipeline(
+        team,
+        inference,
+        num_groups=GROUPS,
+        group_size=2,
+        generation_args=lambda index: GenerationArgs(seed=index),
+        lag=1,
+        last_step=steps,
+        bank=RolloutBank(tmp_path),
+        max_staleness=max_staleness,
+    )
+
+
+def train(pipe, inference, first: int, last: int) -> dict[int, list[str]]:
+    """Take the batches of steps first..last as the trainer does; the group ids of each."""
+    batches = {}
+    for step in range(first, last + 1):
+        batches[step] = [g.group_id for g in pipe.get(step)]
+        inference.policy_version = step  # the step's weights now serve
+        pipe.submit_ahead(step)
+    return batches
+
+
+def index(group_id: str) -> int:
+    return int(group_id.rsplit("/", 1)[1])
+
+
+def test_a_slow_group_is_trained_in_a_later_batch_and_none_is_lost_or_trained_twice(tmp_path):
+    inference = ScriptedInference(lambda prompt, i: answer_of(prompt), delay_s=slow_every(4, 0.3))
+    pipe = pipeline(tmp_path, inference, agents(), steps=6)
+    try:
+        pipe.start(0)
+        batches = train(pipe, inference, 1, 6)
+    finally:
+        pipe.close()
+    trained = [g for ids in batches.values() for g in ids]
+    assert len(trained) == len(set(trained)) == 6 * GROUPS
+    assert all(len(ids) == GROUPS for ids in batches.values())
+    # Overtaken: some group is trained in a batch after one with a later index.
+    order = [index(g) for g in trained]
+    assert order != sorted(order)
+    recorded = RolloutBank(tmp_path).read_partial().batches
+    assert {step: [f"echo/{k}" for k in ks] for step, ks in recorded.items()} == batches
+
+
+def test_an_interruption_replays_recorded_batches_and_drops_what_was_running(tmp_path):
+    inference = ScriptedInference(lambda prompt, i: answer_of(prompt), delay_s=slow_every(3, 0.5))
+    first_team = agents()
+    pipe = pipeline(tmp_path, inference, first_team, steps=6)
+    pipe.start(0)
+    before = train(pipe, inference, 1, 2)
+    checkpoint_state = pipe.agent_state(1)
+    RolloutBank(tmp_path).compact(1)  # the checkpoint of step 1; step 2 trained but not saved
+    pipe.close()  # the crash: what was running is gone
+
+    second_team = agents()
+    second_team.load_state_dict(checkpoint_state)
+    resumed = pipeline(tmp_path, inference, second_team, steps=6)
+    try:
+        assert resumed.start(1) == 1  # the batch of step 2 is trained again as it was
+        after = train(resumed, inference, 2, 6)
+        lost = resumed.pop_metrics().get("rollout/lost_at_interruption", 0.0)
+    finally:
+        resumed.close()
+    assert after[2] == before[2]
+    trained = before[1] + [g for step in range(2, 7) for g in after[step]]
+    assert len(trained) == len(set(trained)) == 6 * GROUPS
+    dropped = RolloutBank(tmp_path).read_partial().dropped
+    assert lost == len(dropped) > 0  # the slow groups running at the crash
+    assert not {f"echo/{k}" for k in dropped} & set(trained)
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_replaced(tmp_path):
+    inference = Admitting(lambda prompt, i: answer_of(prompt), delay_s=slow_every(5, 0.4))
+    pipe = pipeline(tmp_path, inference, agents(), steps=8, max_staleness=1)
+    versions: dict[int, list[int]] = {}
+    dropped = 0.0
+    try:
+        pipe.start(0)
+        for step in range(1, 9):
+            versions[step] = [g.rollouts[0].policy_version for g in pipe.get(step)]
+            dropped += pipe.pop_metrics()["rollout/stale_dropped"]
+            inference.policy_version = step
+            pipe.submit_ahead(step)
+            time.sleep(0.05)  # a step's training
+    finally:
+        pipe.close()
+    assert dropped > 0
+    assert all(step - 1 - v <= 1 for step, vs in versions.items() for v in vs)
+    assert all(len(vs) == GROUPS for vs in versions.values())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["training.partial_rollouts=true"], "needs training.generation_lag >= 1"),
+        (["training.max_staleness=2"], "only partial rollouts carry groups over"),
+        (
+            ["training.partial_rollouts=true", "training.generation_lag=2", "training.max_staleness=1"],
+            "below training.generation_lag",
+        ),
+        (
+            [
+                "training.partial_rollouts=true",
+                "training.generation_lag=1",
+                "algorithm.dynamic_sampling=true",
+            ],
+            "not with training.partial_rollouts",
+        ),
+    ],
+)
+def test_partial_rollouts_settings_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        load_config(None, overrides)
