@@ -153,7 +153,8 @@ class PartialRolloutPipeline:
             self._metrics["rollout/groups_complete_left"] = len(self._ready)
             self._metrics["rollout/groups_running"] = len(self._running)
         refusal = self.checks.refusal(step, groups, started)
-        if refusal is not None:
+        if refusal is not None:  # nothing of it is kept: a rerun draws new groups
+            self.bank.append_record({"dropped": indices, "step": step})
             self._fail(refusal)
             raise refusal
         self.bank.append_record({"batch": step, "indices": indices})

@@ -47,6 +47,24 @@ def llmrl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+def kill_after_checkpoint(argv: list[str], run_dir: Path, step: int) -> None:
+    """Run `llmrl *argv` into `run_dir` and SIGKILL it once the checkpoint of `step` exists."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llmrl", *argv, "--set", f"run_dir={run_dir}"],
+        cwd=run_dir.parent,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
+        assert process.poll() is None and time.monotonic() < deadline, (
+            "the run ended before it could be killed"
+        )
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     folders = sorted((run_dir / "checkpoints").glob("step_*"))
     return load_file(folders[-1] / "model" / "model.safetensors")
@@ -137,20 +155,7 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
     assert whole.returncode == 0, whole.stderr
 
     killed_dir = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llmrl", *argv, "--set", f"run_dir={killed_dir}"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    while not (killed_dir / "checkpoints" / "step_000003").exists():
-        assert process.poll() is None and time.monotonic() < deadline, (
-            "the run ended before it could be killed"
-        )
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_after_checkpoint(argv, killed_dir, 3)
     assert not (killed_dir / "checkpoints" / "step_000006").exists()
 
     resumed = llmrl(*argv, "--set", f"run_dir={killed_dir}", cwd=tmp_path)
@@ -170,6 +175,31 @@ def test_sigkill_and_resume_ends_with_the_same_weights(tmp_path, tiny_model_path
         json.loads((killed_dir / "summary.json").read_text())["eval_end"]
         == json.loads((tmp_path / "whole" / "summary.json").read_text())["eval_end"]
     )
+
+
+def test_in_flight_updates_with_partial_rollouts_resume_after_sigkill(tmp_path, tiny_model_path):
+    argv = [
+        "train",
+        *[a for o in QUICK for a in ("--set", o)],
+        *("--set", "training.steps=6", "--set", "checkpoint.every=1", "--set", "evaluation.every=3"),
+        *("--set", "training.generation_lag=1", "--set", "inference.weight_update=in_flight"),
+        *("--set", "training.partial_rollouts=true", "--set", "training.max_staleness=1"),
+        # Room for the untrained model to ramble: completion lengths vary, so groups overtake each other.
+        *("--set", "inference.generation.max_tokens=24"),
+    ]
+    run_dir = tmp_path / "run"
+    kill_after_checkpoint(argv, run_dir, 2)
+    resumed = llmrl(*argv, "--set", f"run_dir={run_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # each step logged once
+    assert all(r["rollout/staleness_max"] <= 1 and "rollout/stale_dropped" in r for r in rows)
+    assert all(
+        abs(sum(v for k, v in r.items() if k.startswith("rollout/token_age/")) - 1) < 1e-9 for r in rows
+    )
+    assert json.loads((run_dir / "summary.json").read_text())["eval_end"]
+    assert RolloutBank(run_dir).read_partial().batches == {}  # the last checkpoint trained on every batch
 
 
 @pytest.mark.cross_cpu

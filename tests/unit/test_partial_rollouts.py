@@ -11,6 +11,7 @@ from llmrl.agents import WeightedMultiTask
 from llmrl.config import ConfigError, load_config
 from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.partial import PartialRolloutPipeline
+from llmrl.trainer.rollouts import InferenceUnavailableError
 from llmrl.types import GenerationArgs
 from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of
 
@@ -150,3 +151,21 @@ def test_groups_older_than_max_staleness_are_dropped_and_replaced(tmp_path):
 def test_partial_rollouts_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         load_config(None, overrides)
+
+
+def test_a_batch_failed_in_inference_stops_the_run_and_is_not_kept(tmp_path):
+    def refused(prompt, index):
+        raise ConnectionRefusedError("connection refused")
+
+    inference = ScriptedInference(refused)
+    pipe = pipeline(tmp_path, inference, agents(), steps=3)
+    try:
+        pipe.start(0)
+        with pytest.raises(InferenceUnavailableError, match="rollouts failed in inference"):
+            pipe.get(1)
+        with pytest.raises(InferenceUnavailableError):
+            pipe.wait_ahead()
+    finally:
+        pipe.close()
+    records = RolloutBank(tmp_path).read_partial()
+    assert records.batches == {} and len(records.dropped) == GROUPS
