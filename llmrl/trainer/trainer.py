@@ -316,32 +316,29 @@ class Trainer:
                 GenerationArgs(seed=derive_seed(self.generation_args.seed, *keys))
             )
 
-        if training.partial_rollouts:
-            return PartialRolloutPipeline(
-                self.agents,
-                self.inference,
-                num_groups=training.prompts_per_step,
-                group_size=training.group_size,
-                generation_args=lambda index: seeded("group", index),
-                lag=training.generation_lag,
-                last_step=training.steps,
-                bank=RolloutBank(self.run_dir),
-                max_staleness=training.max_staleness,
-                max_inference_failure_frac=training.max_inference_failure_frac,
-                max_user_failure_frac=training.max_user_failure_frac,
-            )
-        return RolloutPipeline(
-            self.agents,
-            self.inference,
+        common: dict[str, Any] = dict(
             num_groups=training.prompts_per_step,
             group_size=training.group_size,
-            generation_args=lambda step: seeded("step", step),
             lag=training.generation_lag,
             last_step=training.steps,
             bank=RolloutBank(self.run_dir),
             max_inference_failure_frac=training.max_inference_failure_frac,
             max_user_failure_frac=training.max_user_failure_frac,
+        )
+        if training.partial_rollouts:
+            return PartialRolloutPipeline(
+                self.agents,
+                self.inference,
+                generation_args=lambda index: seeded("group", index),
+                max_staleness=training.max_staleness,
+                **common,
+            )
+        return RolloutPipeline(
+            self.agents,
+            self.inference,
+            generation_args=lambda step: seeded("step", step),
             in_flight=self.config.inference.weight_update == "in_flight",
+            **common,
         )
 
     def _train_step(self, step: int) -> dict[str, float]:
