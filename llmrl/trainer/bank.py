@@ -15,17 +15,20 @@ ones are generated, each exactly once. A checkpoint compacts the bank to the bat
 trained on yet.
 
 With partial rollouts (`llmrl.trainer.partial`) groups are generated one at a time and batches are
-made of whichever complete first, so the bank records groups, not batches, in three kinds of line:
+made of whichever complete first, so the bank records groups, not batches:
 
-    {"launch": [40, 41], "agents": {...}}              groups 40 and 41 started; the agents' state after
+    {"launch": [40, 41], "pending": [40, 41],          groups 40 and 41 started together, from the
+     "before": {...}, "agents": {...}}                 agents' state before, leaving them in `agents`
     {"group": 40, "rollouts": {...}}                   group 40 complete
     {"batch": 6, "indices": [33, 35, 40, ...]}         the groups step 6 trains on
-    {"dropped": [41], "step": 7}                       groups never to be trained (too stale, or lost)
+    {"redo": [33, 35]}                                 generate these again (their batch was refused)
+    {"dropped": [41], "step": 7}                       never to be trained (too stale)
 
 A resumed run trains the recorded batches of later steps again as they were, puts the complete groups
-no batch took back in the pool, drops the groups that were still running (their problems are skipped),
-and draws new ones from the agents' state after the newest launch. A checkpoint drops the lines of the
-groups it trained or dropped.
+no batch took back in the pool, and generates the groups that were still running (or are to be redone)
+again: it replays their launch's draws from the agents' state before it, so each gets the problem
+it had, and keeps only those. A checkpoint drops the lines of the groups it trained or dropped
+(a launch's `pending` keeps the groups of it not yet done).
 """
 
 from __future__ import annotations
@@ -66,15 +69,27 @@ class BankedBatch:
 
 
 @dataclass
+class Launch:
+    """Groups started together: their indices in launch order, and the agents' state before."""
+
+    indices: list[int]
+    before: dict[str, Any]
+
+
+@dataclass
 class PartialRecords:
     """What the bank holds of a run with partial rollouts (see the module docstring)."""
 
-    launched: list[int] = field(default_factory=list)
-    """Indices of the groups launched, in launch order."""
+    launches: list[Launch] = field(default_factory=list)
+    """The launches with groups not yet done, in launch order."""
+    pending: list[int] = field(default_factory=list)
+    """Their groups not yet done (trained or dropped) when the bank was last compacted."""
     agent_state: dict[str, Any] | None = None
     """The agents' state after the newest launch."""
+    next_index: int | None = None
+    """The index after the newest launch's."""
     groups: dict[int, RolloutGroup] = field(default_factory=dict)
-    """Complete groups by index, in completion order."""
+    """Complete groups by index (none that is to be redone), in completion order."""
     batches: dict[int, list[int]] = field(default_factory=dict)
     """Training step -> the indices of the groups its batch took."""
     dropped: set[int] = field(default_factory=set)
@@ -82,7 +97,7 @@ class PartialRecords:
 
 
 Entry = BankedBatch | dict[str, Any]
-_PARTIAL_KINDS = frozenset({"launch", "group", "batch", "dropped"})
+_PARTIAL_KINDS = frozenset({"launch", "group", "batch", "redo", "dropped"})
 
 
 class RolloutBank:
@@ -110,10 +125,16 @@ class RolloutBank:
             if isinstance(entry, BankedBatch):
                 continue
             if "launch" in entry:
-                records.launched += entry["launch"]
+                if entry["pending"]:
+                    records.launches.append(Launch(entry["launch"], entry["before"]))
+                    records.pending += entry["pending"]
                 records.agent_state = entry["agents"]
+                records.next_index = max(entry["launch"]) + 1
             elif "group" in entry:
                 records.groups[entry["group"]] = RolloutGroup.model_validate(entry["rollouts"])
+            elif "redo" in entry:
+                for index in entry["redo"]:
+                    records.groups.pop(index, None)
             elif "batch" in entry:
                 records.batches[entry["batch"]] = list(entry["indices"])
             elif "dropped" in entry:
@@ -158,17 +179,18 @@ class RolloutBank:
                 if isinstance(e, dict) and e.get("batch", e.get("step", trained_step + 1)) <= trained_step
                 for index in e.get("indices", e.get("dropped", []))
             }
+            launches = [e for e in entries if isinstance(e, dict) and "launch" in e]
             kept: list[Entry] = []
             for e in entries:
                 if isinstance(e, BankedBatch):
                     if e in pending:
                         kept.append(e)
-                elif "launch" in e:  # kept for the groups not done, and for the newest agents' state
-                    kept.append(e | {"launch": [i for i in e["launch"] if i not in done]})
+                elif "launch" in e:
+                    undone = [i for i in e["pending"] if i not in done]
+                    if undone or e is launches[-1]:  # the newest keeps the agents' state
+                        kept.append(e | {"pending": undone})
                 elif _partial_kept(e, trained_step, done):
                     kept.append(e)
-            launches = [e for e in kept if isinstance(e, dict) and "launch" in e]
-            kept = [e for e in kept if not (isinstance(e, dict) and e in launches[:-1] and not e["launch"])]
             self._rewrite(kept)
 
     def _rewrite(self, entries: list[Entry]) -> None:
@@ -183,6 +205,8 @@ def _partial_kept(record: dict[str, Any], trained_step: int, done: set[int]) -> 
         return record["batch"] > trained_step
     if "dropped" in record:
         return record["step"] > trained_step
+    if "redo" in record:
+        return not done.issuperset(record["redo"])
     return record["group"] not in done
 
 

@@ -20,8 +20,11 @@ lands in the middle of running sequences, which go on with the new weights.
 Which groups a batch takes depends on timing, so such a run is not bitwise repeatable. The rollout
 bank records every launch, complete group and batch (`llmrl.trainer.bank`); a resumed run trains the
 recorded batches of later steps as they were, puts complete groups no batch took back in the pool,
-drops the groups that were still running (their problems are skipped: logged, and counted in
-`rollout/lost_at_interruption`) and goes on drawing from the agents' state after the newest launch.
+and generates again the groups that were still running (`rollout/regenerated_after_interruption`):
+it loads the agents' state from before their launch, starts the whole launch again so that every
+group draws the problem it had, and cancels at once those it does not need. A batch refused for
+failures is generated again the same way by the rerun. Then drawing goes on from the agents' state
+after the newest launch.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 from llmrl.agents.base import failed_in_inference
 from llmrl.agents.multi_task import WeightedMultiTask
 from llmrl.inference.interface import InferenceInterface, run_in_new_loop
-from llmrl.trainer.bank import RolloutBank
+from llmrl.trainer.bank import Launch, RolloutBank
 from llmrl.trainer.rollouts import BatchChecks
 from llmrl.types import GenerationArgs, RolloutGroup
 
@@ -99,6 +102,7 @@ class PartialRolloutPipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._replay: dict[int, list[RolloutGroup]] = {}  # batches recorded for steps not yet trained
+        self._redraws: list[tuple[Launch, set[int]]] = []  # launches to replay for the groups lost
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-partial-rollouts")
 
     # -- the trainer's side ----------------------------------------------------------------------
@@ -111,26 +115,24 @@ class PartialRolloutPipeline:
         later = sorted(s for s in records.batches if s > trained_step)
         self._replay = {s: [records.groups[k] for k in records.batches[s]] for s in later}
         done = records.dropped | {k for s in later for k in records.batches[s]}
+        pending = set(records.pending) - done
         for index, group in records.groups.items():
-            # A group that failed in inference is not trained on (a dead server): dropped.
-            if index not in done and not any(failed_in_inference(r) for r in group.rollouts):
+            # A group that failed in inference (a dead server) is generated again rather than trained.
+            if index in pending and not any(failed_in_inference(r) for r in group.rollouts):
                 self._ready[index] = group
-        lost = [k for k in records.launched if k not in done and k not in self._ready]
+        lost = pending - set(self._ready)
+        self._redraws = [(launch, lost & set(launch.indices)) for launch in records.launches]
+        self._redraws = [(launch, wanted) for launch, wanted in self._redraws if wanted]
+        self._running.update(lost)
         if lost:
-            self.bank.append_record({"dropped": lost, "step": trained_step + 1})
-            self._metrics["rollout/lost_at_interruption"] = len(lost)
-            log.warning(
-                "%d group(s) that were generating or failed in inference at the interruption are dropped "
-                "(their problems are skipped)",
-                len(lost),
-            )
+            self._metrics["rollout/regenerated_after_interruption"] = len(lost)
         if records.agent_state is not None:
             self.agents.load_state_dict(records.agent_state)
-        # Indices only name groups and derive their seeds: without launch records, none is in use.
-        self._next_index = max(records.launched, default=trained_step * self.num_groups - 1) + 1
+        # Indices name groups and derive their seeds: without launch records, none is in use.
+        self._next_index = records.next_index or trained_step * self.num_groups
         self._latest_state = self.agents.state_dict()
         steps_left = self.last_step - trained_step - len(self._replay)
-        self._new_left = max(0, steps_left * self.num_groups - len(self._ready))
+        self._new_left = max(0, steps_left * self.num_groups - len(self._ready) - len(lost))
         self._worker.submit(contextvars.copy_context().run, self._work)
         return len(self._replay)
 
@@ -153,8 +155,8 @@ class PartialRolloutPipeline:
             self._metrics["rollout/groups_complete_left"] = len(self._ready)
             self._metrics["rollout/groups_running"] = len(self._running)
         refusal = self.checks.refusal(step, groups, started)
-        if refusal is not None:  # nothing of it is kept: a rerun draws new groups
-            self.bank.append_record({"dropped": indices, "step": step})
+        if refusal is not None:  # nothing of it is kept: a rerun generates these groups again
+            self.bank.append_record({"redo": indices})
             self._fail(refusal)
             raise refusal
         self.bank.append_record({"batch": step, "indices": indices})
@@ -242,6 +244,8 @@ class PartialRolloutPipeline:
         tasks: set[asyncio.Task[None]] = set()
         woken = asyncio.ensure_future(self._wake.wait())
         try:
+            for launch, wanted in self._redraws:
+                tasks |= await self._redraw(launch, wanted)
             while True:
                 with self._condition:
                     if self._closed:
@@ -273,15 +277,32 @@ class PartialRolloutPipeline:
 
     async def _launch(self, indices: list[int]) -> set[asyncio.Task[None]]:
         """Start the groups at `indices` together (one prefill for their prompts)."""
-        tasks = {
-            asyncio.ensure_future(self._run_group(index, self._slots[index % self.num_groups]))
-            for index in indices
-        }
-        await asyncio.sleep(0)  # each group's first step: its agent draws the problem
+        before = self.agents.state_dict()
+        tasks = await self._start_groups(indices)
         state = self.agents.state_dict()
-        self.bank.append_record({"launch": indices, "agents": state})
+        self.bank.append_record({"launch": indices, "pending": indices, "before": before, "agents": state})
         with self._condition:
             self._latest_state = state
+        return set(tasks.values())
+
+    async def _redraw(self, launch: Launch, wanted: set[int]) -> set[asyncio.Task[None]]:
+        """Start `launch` again from the agents' state before it, so that each group draws the problem
+        it had, and keep the groups at `wanted` (the others are cancelled before they generate)."""
+        current = self.agents.state_dict()
+        self.agents.load_state_dict(launch.before)
+        tasks = await self._start_groups(launch.indices)
+        self.agents.load_state_dict(current)
+        for index, task in tasks.items():
+            if index not in wanted:
+                task.cancel()
+        return {tasks[index] for index in wanted}
+
+    async def _start_groups(self, indices: list[int]) -> dict[int, asyncio.Task[None]]:
+        tasks = {
+            index: asyncio.ensure_future(self._run_group(index, self._slots[index % self.num_groups]))
+            for index in indices
+        }
+        await asyncio.sleep(0)  # each group's first step, in order: its agent draws the problem
         return tasks
 
     async def _run_group(self, index: int, slot: int) -> None:
