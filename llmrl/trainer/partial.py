@@ -114,7 +114,8 @@ class PartialRolloutPipeline:
         records = self.bank.read_partial()
         later = sorted(s for s in records.batches if s > trained_step)
         self._replay = {s: [records.groups[k] for k in records.batches[s]] for s in later}
-        done = records.dropped | {k for s in later for k in records.batches[s]}
+        # Batches up to `trained_step` were trained (the checkpoint may have been cut off before it compacted the bank).
+        done = records.dropped | {k for indices in records.batches.values() for k in indices}
         pending = set(records.pending) - done
         for index, group in records.groups.items():
             # A group that failed in inference (a dead server) is generated again rather than trained.
