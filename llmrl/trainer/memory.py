@@ -3,7 +3,7 @@
 `plan_memory` estimates what one rank holds: the master weights, their gradients and AdamW's two
 moments (all sharded over the ranks under torchrun), the compute-dtype copies the passes use
 (autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
-or with LoRA the frozen base in the compute dtype, float32 adapters and the gradients and moments
+the distillation teacher (in its own dtype, sharded like the reference), or with LoRA the frozen base in the compute dtype, float32 adapters and the gradients and moments
 of the adapters alone (no reference copy: the reference is the base with the adapters off),
 the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
 cache or a colocated vLLM engine (its `gpu_memory_utilization` share of the GPU; on the CPU build its
@@ -63,6 +63,8 @@ class MemorySettings:
     """The adapters' sizes when LoRA trains (`model.lora`); None: every parameter trains."""
     colocated: ColocatedEngine | None = None
     """vLLM's engine in rank 0's process (`inference.vllm.mode: colocate`); None: no such engine."""
+    teacher_bytes: int = 0
+    """The distillation teacher's weights, whole (`distillation.teacher`, in `teacher_dtype`); 0: none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,8 @@ class MemoryPlan:
             terms["gathered"] = shape.parameters * compute
         if s.reference_model:
             terms["reference"] = shape.parameters / s.world_size * compute
+        if s.teacher_bytes:
+            terms["teacher"] = s.teacher_bytes / s.world_size
         terms["activations"] = self._activations()
         if rank0 and s.engine_tokens is not None:
             terms["engine"] = (

@@ -23,10 +23,10 @@ from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
-from llmrl.models.shape import tied_duplicates
+from llmrl.models.shape import ModelShape, tied_duplicates
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import Distributed
-from llmrl.trainer.evaluated_model import find_evaluated_model
+from llmrl.trainer.evaluated_model import EvaluatedModel, find_evaluated_model
 from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
 from llmrl.trainer.memory import ColocatedEngine, LoraSizes, MemoryPlan, MemorySettings, plan_memory
 
@@ -129,10 +129,7 @@ def _load_teacher(load: _Loader, config: RunConfig, tokenizer: Any) -> torch.nn.
     distillation = config.distillation
     assert distillation is not None
     dtype = distillation.teacher_dtype or config.model.dtype
-    try:
-        found = find_evaluated_model(distillation.teacher)
-    except UserError as error:
-        raise ConfigError(f"distillation.teacher: {error}") from None
+    found = _teacher(config)
     with found.served(config.model.model_copy(update={"dtype": dtype})) as settings:
         teacher, teacher_tokenizer = load(settings.spec, dtype)
     mismatch = tokenizer_mismatch(tokenizer, teacher_tokenizer)
@@ -216,4 +213,29 @@ def plan_training_memory(config: RunConfig, device: str, distributed: Distribute
 
     if config.model.lora is not None:
         settings = dataclasses.replace(settings, lora=LoraSizes(*adapter_sizes(shapes(), config.model.lora)))
+    if config.distillation is not None:
+        settings = dataclasses.replace(settings, teacher_bytes=_teacher_bytes(config))
     return plan_memory(shapes(), settings, device)
+
+
+def _teacher_bytes(config: RunConfig) -> int:
+    """The distillation teacher's weights in its dtype, from its shapes alone (a LoRA run's teacher: its
+    base, the adapters merged into it)."""
+    distillation = config.distillation
+    assert distillation is not None
+    spec = _teacher(config).spec
+    try:
+        teacher, _ = load_model(spec, device="meta", trust_remote_code=config.model.trust_remote_code)
+    except UserError as error:
+        raise ConfigError(f"distillation.teacher: {error}") from None
+    dtype = DTYPES[distillation.teacher_dtype or config.model.dtype]
+    return ModelShape.of(teacher).parameters * dtype.itemsize
+
+
+def _teacher(config: RunConfig) -> EvaluatedModel:
+    """What `distillation.teacher` names (`llmrl.trainer.evaluated_model`), or a `ConfigError` saying why not."""
+    assert config.distillation is not None
+    try:
+        return find_evaluated_model(config.distillation.teacher)
+    except UserError as error:
+        raise ConfigError(f"distillation.teacher: {error}") from None

@@ -244,3 +244,18 @@ def test_processes_on_one_machine_share_its_memory_on_cpu(monkeypatch):
     whole = device_memory("cpu")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert device_memory("cpu") == whole // 4
+
+
+def test_a_distillation_teacher_is_counted_in_its_own_dtype(tiny_model_path):
+    from llmrl.config import load_config
+    from llmrl.models import load_model
+    from llmrl.trainer.policy import plan_training_memory
+
+    teacher = "distillation={teacher: 'tiny://arithmetic', teacher_dtype: bfloat16}"
+    terms = plan_training_memory(load_config(None, [teacher]), "cpu", None).terms(rank0=True)
+    model, _ = load_model("tiny://arithmetic", device="meta")
+    assert terms["teacher"] == ModelShape.of(model).parameters * 2
+    assert "teacher" not in plan_training_memory(load_config(None, []), "cpu", None).terms(rank0=True)
+    missing = load_config(None, ["distillation={teacher: ./no-such-run}"])
+    with pytest.raises(ConfigError, match="distillation.teacher: "):
+        plan_training_memory(missing, "cpu", None)
