@@ -427,8 +427,8 @@ class TrainingConfig(Section):
     runs are not bitwise repeatable (docs/training.md)."""
     max_staleness: int | None = Field(None, ge=1)
     """With partial rollouts: most weight versions a group's oldest token may be behind the policy it trains;
-    a complete group older than that is dropped and a new one drawn (`rollout/stale_dropped`), which favours
-    short answers among the slowest groups. At least `generation_lag`. None: no bound."""
+    a complete group older than that is generated again for the same problem (`rollout/stale_regenerated`).
+    At least `generation_lag`. None: no bound."""
     max_inference_failure_frac: float | None = Field(None, ge=0.0, lt=1.0)
     """Largest fraction of a batch's rollouts that may fail in inference (server unreachable, refused, timed
     out); a batch over it is neither banked nor trained on, and the run stops so that a rerun regenerates it.

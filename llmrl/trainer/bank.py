@@ -21,14 +21,13 @@ made of whichever complete first, so the bank records groups, not batches:
      "before": {...}, "agents": {...}}                 agents' state before, leaving them in `agents`
     {"group": 40, "rollouts": {...}}                   group 40 complete
     {"batch": 6, "indices": [33, 35, 40, ...]}         the groups step 6 trains on
-    {"redo": [33, 35]}                                 generate these again (their batch was refused)
-    {"dropped": [41], "step": 7}                       never to be trained (too stale)
+    {"redo": [33, 35]}                                 generate these again (too stale, or refused)
 
 A resumed run trains the recorded batches of later steps again as they were, puts the complete groups
 no batch took back in the pool, and generates the groups that were still running (or are to be redone)
 again: it replays their launch's draws from the agents' state before it, so each gets the problem
-it had, and keeps only those. A checkpoint drops the lines of the groups it trained or dropped
-(a launch's `pending` keeps the groups of it not yet done).
+it had, and keeps only those. A checkpoint drops the lines of the groups it trained (a launch's
+`pending` keeps the groups of it not yet trained).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class PartialRecords:
     launches: list[Launch] = field(default_factory=list)
     """The launches with groups not yet done, in launch order."""
     pending: list[int] = field(default_factory=list)
-    """Their groups not yet done (trained or dropped) when the bank was last compacted."""
+    """Their groups not yet trained when the bank was last compacted."""
     agent_state: dict[str, Any] | None = None
     """The agents' state after the newest launch."""
     next_index: int | None = None
@@ -92,12 +91,10 @@ class PartialRecords:
     """Complete groups by index (none that is to be redone), in completion order."""
     batches: dict[int, list[int]] = field(default_factory=dict)
     """Training step -> the indices of the groups its batch took."""
-    dropped: set[int] = field(default_factory=set)
-    """Groups that will never be trained."""
 
 
 Entry = BankedBatch | dict[str, Any]
-_PARTIAL_KINDS = frozenset({"launch", "group", "batch", "redo", "dropped"})
+_PARTIAL_KINDS = frozenset({"launch", "group", "batch", "redo"})
 
 
 class RolloutBank:
@@ -137,8 +134,6 @@ class RolloutBank:
                     records.groups.pop(index, None)
             elif "batch" in entry:
                 records.batches[entry["batch"]] = list(entry["indices"])
-            elif "dropped" in entry:
-                records.dropped.update(entry["dropped"])
         return records
 
     def _entries(self) -> list[Entry]:
@@ -176,8 +171,8 @@ class RolloutBank:
             done = {
                 index
                 for e in entries
-                if isinstance(e, dict) and e.get("batch", e.get("step", trained_step + 1)) <= trained_step
-                for index in e.get("indices", e.get("dropped", []))
+                if isinstance(e, dict) and "batch" in e and e["batch"] <= trained_step
+                for index in e["indices"]
             }
             launches = [e for e in entries if isinstance(e, dict) and "launch" in e]
             kept: list[Entry] = []
@@ -200,11 +195,9 @@ class RolloutBank:
 
 
 def _partial_kept(record: dict[str, Any], trained_step: int, done: set[int]) -> bool:
-    """Whether a checkpoint of `trained_step` keeps `record`; `done`: the groups trained or dropped by then."""
+    """Whether a checkpoint of `trained_step` keeps `record`; `done`: the groups trained by then."""
     if "batch" in record:
         return record["batch"] > trained_step
-    if "dropped" in record:
-        return record["step"] > trained_step
     if "redo" in record:
         return not done.issuperset(record["redo"])
     return record["group"] not in done

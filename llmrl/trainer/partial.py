@@ -10,9 +10,13 @@ derived from k. The batch of step t is the first `num_groups` groups to complete
 batch took: a slow group is trained in a later batch, never dropped, so long answers are not
 trained less often than short ones. Its rollouts may then be older than the lag: with
 `max_staleness`, a complete group whose oldest token is more versions behind the policy about to
-train on it than that is dropped (`rollout/stale_dropped`) and a new group takes its room. That
-bound does favour short answers, among the slowest groups only; regenerating the same problem
-instead would need agents that can draw a problem again, which the `Agent` contract does not offer.
+train on it than that is generated again for the same problem (`rollout/stale_regenerated`), so
+the bound does not favour short answers either.
+
+A group is generated again by replaying its launch: the agents' state from before the launch is
+loaded, every group of it is started again so that each draws the problem it had (built-in agents
+draw their problems before their first `await`), and all but the one wanted are cancelled at once,
+before they generate; then the agents' state is put back.
 
 The engine never runs dry between steps, so with ``inference.weight_update: in_flight`` every sync
 lands in the middle of running sequences, which go on with the new weights.
@@ -102,7 +106,8 @@ class PartialRolloutPipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._replay: dict[int, list[RolloutGroup]] = {}  # batches recorded for steps not yet trained
-        self._redraws: list[tuple[Launch, set[int]]] = []  # launches to replay for the groups lost
+        self._launches: dict[int, Launch] = {}  # untrained groups' launches (guarded by _condition)
+        self._redo: list[int] = []  # groups to generate again (guarded by _condition)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-partial-rollouts")
 
     # -- the trainer's side ----------------------------------------------------------------------
@@ -115,15 +120,15 @@ class PartialRolloutPipeline:
         later = sorted(s for s in records.batches if s > trained_step)
         self._replay = {s: [records.groups[k] for k in records.batches[s]] for s in later}
         # Batches up to `trained_step` were trained (the checkpoint may have been cut off before it compacted the bank).
-        done = records.dropped | {k for indices in records.batches.values() for k in indices}
+        done = {k for indices in records.batches.values() for k in indices}
         pending = set(records.pending) - done
         for index, group in records.groups.items():
             # A group that failed in inference (a dead server) is generated again rather than trained.
             if index in pending and not any(failed_in_inference(r) for r in group.rollouts):
                 self._ready[index] = group
+        self._launches = {k: launch for launch in records.launches for k in launch.indices if k in pending}
         lost = pending - set(self._ready)
-        self._redraws = [(launch, lost & set(launch.indices)) for launch in records.launches]
-        self._redraws = [(launch, wanted) for launch, wanted in self._redraws if wanted]
+        self._redo = sorted(lost)
         self._running.update(lost)
         if lost:
             self._metrics["rollout/regenerated_after_interruption"] = len(lost)
@@ -146,12 +151,14 @@ class PartialRolloutPipeline:
             while True:
                 if self._failure is not None:
                     raise self._failure
-                self._drop_stale(step)
+                self._regenerate_stale(step)
                 if len(self._ready) >= self.num_groups:
                     break
                 self._condition.wait()
             indices = list(self._ready)[: self.num_groups]
             groups = [self._ready.pop(k) for k in indices]
+            for index in indices:
+                del self._launches[index]
             self._held = len(indices)
             self._metrics["rollout/groups_complete_left"] = len(self._ready)
             self._metrics["rollout/groups_running"] = len(self._running)
@@ -184,12 +191,13 @@ class PartialRolloutPipeline:
             return self._latest_state
 
     def pop_metrics(self) -> dict[str, float]:
-        """Groups dropped for staleness since the last call, and the pool as the last batch left it."""
+        """Groups generated again (stale, or lost to an interruption) since the last call, and the pool
+        as the last batch left it."""
         with self._condition:
             metrics = {key: float(value) for key, value in self._metrics.items()}
             self._metrics = Counter()
         if self.max_staleness is not None:
-            metrics.setdefault("rollout/stale_dropped", 0.0)
+            metrics.setdefault("rollout/stale_regenerated", 0.0)
         return metrics
 
     def close(self) -> None:
@@ -199,9 +207,9 @@ class PartialRolloutPipeline:
         self._wake_worker()
         self._worker.shutdown(wait=True)
 
-    def _drop_stale(self, step: int) -> None:
-        """Condition held: drop the complete groups too old for the batch of `step` (trained on the weights
-        of step - 1); new groups take their room."""
+    def _regenerate_stale(self, step: int) -> None:
+        """Condition held: the complete groups too old for the batch of `step` (trained on the weights of
+        step - 1) are generated again, for the same problems."""
         if self.max_staleness is None:
             return
         oldest = step - 1 - self.max_staleness
@@ -210,9 +218,10 @@ class PartialRolloutPipeline:
             return
         for index in stale:
             del self._ready[index]
-        self.bank.append_record({"dropped": stale, "step": step})
-        self._metrics["rollout/stale_dropped"] += len(stale)
-        self._new_left += len(stale)
+        self.bank.append_record({"redo": stale})
+        self._redo += stale
+        self._running.update(stale)
+        self._metrics["rollout/stale_regenerated"] += len(stale)
         self._wake_worker()
 
     def _fail(self, error: BaseException) -> None:
@@ -245,13 +254,15 @@ class PartialRolloutPipeline:
         tasks: set[asyncio.Task[None]] = set()
         woken = asyncio.ensure_future(self._wake.wait())
         try:
-            for launch, wanted in self._redraws:
-                tasks |= await self._redraw(launch, wanted)
             while True:
                 with self._condition:
                     if self._closed:
                         return
                     due = self._due()
+                    redo, self._redo = self._redo, []
+                    redraws = [(self._launches[k], k) for k in redo]
+                for launch, index in redraws:
+                    tasks |= await self._redraw(launch, index)
                 if due:
                     tasks |= await self._launch(due)
                 done, _ = await asyncio.wait({*tasks, woken}, return_when=asyncio.FIRST_COMPLETED)
@@ -282,21 +293,23 @@ class PartialRolloutPipeline:
         tasks = await self._start_groups(indices)
         state = self.agents.state_dict()
         self.bank.append_record({"launch": indices, "pending": indices, "before": before, "agents": state})
+        launch = Launch(indices, before)
         with self._condition:
             self._latest_state = state
+            self._launches.update(dict.fromkeys(indices, launch))
         return set(tasks.values())
 
-    async def _redraw(self, launch: Launch, wanted: set[int]) -> set[asyncio.Task[None]]:
+    async def _redraw(self, launch: Launch, wanted: int) -> set[asyncio.Task[None]]:
         """Start `launch` again from the agents' state before it, so that each group draws the problem
-        it had, and keep the groups at `wanted` (the others are cancelled before they generate)."""
+        it had, and keep group `wanted` (the others are cancelled before they generate)."""
         current = self.agents.state_dict()
         self.agents.load_state_dict(launch.before)
         tasks = await self._start_groups(launch.indices)
         self.agents.load_state_dict(current)
         for index, task in tasks.items():
-            if index not in wanted:
+            if index != wanted:
                 task.cancel()
-        return {tasks[index] for index in wanted}
+        return {tasks[wanted]}
 
     async def _start_groups(self, indices: list[int]) -> dict[int, asyncio.Task[None]]:
         tasks = {
