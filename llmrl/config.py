@@ -31,6 +31,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -238,37 +239,39 @@ class InferenceConfig(Section):
     def _renamed_pause_mode(cls, data: Any) -> Any:
         """`inference.vllm.pause_mode` (configs saved before `weight_update` served every backend) still
         loads, as `weight_update` where that is not set."""
-        vllm = data.get("vllm") if isinstance(data, dict) else None
-        if not isinstance(vllm, dict) or "pause_mode" not in vllm:
-            return data
-        vllm = dict(vllm)
-        old = vllm.pop("pause_mode")
-        mode = data.get("weight_update", old)
-        log.warning(
-            "inference.vllm.pause_mode is now inference.weight_update (one setting for every backend); "
-            "read as weight_update: %s",
-            mode,
+        return _moved_out_of_vllm(
+            data, "pause_mode", "weight_update", "one setting for every backend", lambda old, current: current
         )
-        return data | {"vllm": vllm, "weight_update": mode}
 
     @model_validator(mode="before")
     @classmethod
     def _renamed_bucket_setting(cls, data: Any) -> Any:
         """`inference.vllm.bucket_mb` (configs saved before it became `weight_sync_bucket_mb`) still
         loads: the smaller of the two sizes, so that each bound the run had still holds."""
-        vllm = data.get("vllm") if isinstance(data, dict) else None
-        if not isinstance(vllm, dict) or "bucket_mb" not in vllm:
-            return data
-        vllm = dict(vllm)
-        old = vllm.pop("bucket_mb")
-        current = data.get("weight_sync_bucket_mb", old)
-        merged = min(old, current) if isinstance(old, int) and isinstance(current, int) else old
-        log.warning(
-            "inference.vllm.bucket_mb is now inference.weight_sync_bucket_mb (one bucket size for every "
-            "weight transfer); read as weight_sync_bucket_mb: %s",
-            merged,
+
+        def smaller(old: Any, current: Any) -> Any:
+            return min(old, current) if isinstance(old, int) and isinstance(current, int) else old
+
+        return _moved_out_of_vllm(
+            data, "bucket_mb", "weight_sync_bucket_mb", "one bucket size for every weight transfer", smaller
         )
-        return data | {"vllm": vllm, "weight_sync_bucket_mb": merged}
+
+
+def _moved_out_of_vllm(
+    data: Any, old_name: str, new_name: str, why: str, merge: Callable[[Any, Any], Any]
+) -> Any:
+    """The inference section `data` with `vllm.<old_name>` moved to `<new_name>`, with a warning; where
+    both are set, the value is `merge(old, current)`."""
+    vllm = data.get("vllm") if isinstance(data, dict) else None
+    if not isinstance(vllm, dict) or old_name not in vllm:
+        return data
+    vllm = dict(vllm)
+    old = vllm.pop(old_name)
+    value = merge(old, data[new_name]) if new_name in data else old
+    log.warning(
+        "inference.vllm.%s is now inference.%s (%s); read as %s: %s", old_name, new_name, why, new_name, value
+    )
+    return data | {"vllm": vllm, new_name: value}
 
 
 class EnvironmentConfig(Section):
