@@ -152,13 +152,7 @@ class RolloutBank:
 
     def pending(self, trained_step: int) -> list[BankedBatch]:
         """The banked batches for steps trained_step+1, trained_step+2, ... without a gap."""
-        by_step = {b.step: b for b in self.read() if b.step > trained_step}
-        found = []
-        step = trained_step + 1
-        while step in by_step:
-            found.append(by_step[step])
-            step += 1
-        return found
+        return _pending(self.read(), trained_step)
 
     def compact(self, trained_step: int) -> None:
         """Keep only what steps after `trained_step` train on (called once that step is checkpointed):
@@ -167,7 +161,9 @@ class RolloutBank:
             if not self.path.exists():
                 return
             entries = self._entries()
-            pending = self.pending(trained_step)
+            pending = {
+                id(b) for b in _pending([e for e in entries if isinstance(e, BankedBatch)], trained_step)
+            }
             done = {
                 index
                 for e in entries
@@ -178,7 +174,7 @@ class RolloutBank:
             kept: list[Entry] = []
             for e in entries:
                 if isinstance(e, BankedBatch):
-                    if e in pending:
+                    if id(e) in pending:
                         kept.append(e)
                 elif "launch" in e:
                     undone = [i for i in e["pending"] if i not in done]
@@ -192,6 +188,17 @@ class RolloutBank:
         atomic_write(
             self.path, "".join(e.to_line() if isinstance(e, BankedBatch) else _line(e) for e in entries)
         )
+
+
+def _pending(batches: list[BankedBatch], trained_step: int) -> list[BankedBatch]:
+    """Of `batches`, those for steps trained_step+1, trained_step+2, ... without a gap."""
+    by_step = {b.step: b for b in batches if b.step > trained_step}
+    found = []
+    step = trained_step + 1
+    while step in by_step:
+        found.append(by_step[step])
+        step += 1
+    return found
 
 
 def _partial_kept(record: dict[str, Any], trained_step: int, done: set[int]) -> bool:
