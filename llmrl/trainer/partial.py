@@ -4,9 +4,9 @@
 `training.partial_rollouts` is on (with a lag). A worker thread keeps up to ``(lag + 1) *
 num_groups`` groups generating, complete or in the step training now, and launches new groups as
 soon as a step's new weights serve (as `RolloutPipeline` submits a batch), so that a group that
-completes in time is at most `lag` versions old when trained. Group k comes from the agent of ``agents.slots(num_groups)[k % num_groups]``, so
-every `num_groups` consecutive groups follow the environments' weights, and is sampled with a seed
-derived from k. The batch of step t is the first `num_groups` groups to complete that no earlier
+completes in time is at most `lag` versions old when trained. Group k comes from the agent of
+``agents.slots(num_groups)[k % num_groups]``, so every `num_groups` consecutive groups follow the
+environments' weights, and is sampled with a seed derived from k. The batch of step t is the first `num_groups` groups to complete that no earlier
 batch took: a slow group is trained in a later batch, never dropped, so long answers are not
 trained less often than short ones. Its rollouts may then be older than the lag: with
 `max_staleness`, a complete group whose oldest token is more versions behind the policy about to
@@ -102,12 +102,13 @@ class PartialRolloutPipeline:
         self._failure: BaseException | None = None
         self._closed = False
         self._metrics: Counter[str] = Counter()
+        self._launches: dict[int, Launch] = {}  # untrained groups' launches
+        self._redo: list[int] = []  # groups to generate again
+        # The trainer's alone:
+        self._replay: dict[int, list[RolloutGroup]] = {}  # batches recorded for steps not yet trained
         # Set once the worker runs:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._replay: dict[int, list[RolloutGroup]] = {}  # batches recorded for steps not yet trained
-        self._launches: dict[int, Launch] = {}  # untrained groups' launches (guarded by _condition)
-        self._redo: list[int] = []  # groups to generate again (guarded by _condition)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-partial-rollouts")
 
     # -- the trainer's side ----------------------------------------------------------------------
@@ -119,7 +120,8 @@ class PartialRolloutPipeline:
         records = self.bank.read_partial()
         later = sorted(s for s in records.batches if s > trained_step)
         self._replay = {s: [records.groups[k] for k in records.batches[s]] for s in later}
-        # Batches up to `trained_step` were trained (the checkpoint may have been cut off before it compacted the bank).
+        # Batches up to `trained_step` were trained, even where the checkpoint was cut off before it
+        # compacted the bank.
         done = {k for indices in records.batches.values() for k in indices}
         pending = set(records.pending) - done
         for index, group in records.groups.items():
