@@ -1,16 +1,17 @@
 """On-policy distillation vs GRPO on the demo task, against the teacher itself.
 
-    python bench/distill.py [--teacher runs/demo] [--steps 60] [--seeds 0 1 2]
+    python bench/distill.py [--teacher runs/demo] [--steps 60] [--seeds 0 1 2] [--signals top_k sampled]
 
 The student is the untrained `tiny://arithmetic`; the teacher the demo's trained model (`--teacher`,
 a run or checkpoint folder; when it has no checkpoint, the demo is trained first into a scratch
 folder, about 3 minutes on 2 CPU cores with OMP_NUM_THREADS=1). For each seed, in a fresh process
-each, `examples/arithmetic_distill.yaml` runs `--steps` steps with distillation (rewards ignored), and
-again with GRPO at the same settings (no `distillation` section, the rewards alone); the teacher is
-evaluated on the same held-out problems (64 problems x 8 samples, the seed's). Prints a markdown
-table: held-out pass@1 of the teacher, of the distilled student and of the GRPO student, and the
-distillation run's reverse KL to the teacher (mean over sampled tokens) over its first and last 10
-steps. Figures: docs/benchmarks.md, "On-policy distillation against GRPO" (about 4 minutes a seed).
+each, `examples/arithmetic_distill.yaml` runs `--steps` steps with distillation, once per
+`--signals` (`distillation.signal`: `top_k`, `sampled`), and again with GRPO at the same settings (no
+`distillation` section, the rewards alone); the teacher is evaluated on the same held-out problems
+(64 problems x 8 samples, the seed's). Prints a markdown table: held-out pass@1 of the teacher, of
+each distilled student and of the GRPO student, and each distillation run's reverse KL to the
+teacher (`distill/reverse_kl`, mean over sampled tokens) over its first and last 10 steps. Figures:
+docs/benchmarks.md, "On-policy distillation against GRPO" (about 6 minutes a seed).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def teacher_folder(teacher: Path, scratch: Path) -> Path:
     return folder
 
 
-def compare(seed: int, steps: int, teacher: Path, scratch: Path) -> dict[str, float]:
+def compare(seed: int, steps: int, teacher: Path, scratch: Path, signals: list[str]) -> dict[str, float]:
     common = [f"seed={seed}", f"training.steps={steps}", "evaluation.at_start=false", "evaluation.every=0"]
     train(
         scratch / f"teacher{seed}",
@@ -70,18 +71,24 @@ def compare(seed: int, steps: int, teacher: Path, scratch: Path) -> dict[str, fl
         "training.steps=0",
         "distillation=null",
     )
-    train(scratch / f"distill{seed}", EXAMPLE, *common, f"distillation.teacher={teacher}")
+    results = {"teacher": held_out_pass_at_1(scratch / f"teacher{seed}")}
+    for signal in signals:
+        run = scratch / f"{signal}{seed}"
+        train(run, EXAMPLE, *common, f"distillation.teacher={teacher}", f"distillation.signal={signal}")
+        rows = [r for r in read_metrics(run / "metrics.jsonl") if "distill/reverse_kl" in r]
+        results[signal] = held_out_pass_at_1(run)
+        results[f"{signal}_kl_first"] = statistics.mean(r["distill/reverse_kl"] for r in rows[:10])
+        results[f"{signal}_kl_last"] = statistics.mean(r["distill/reverse_kl"] for r in rows[-10:])
     train(scratch / f"grpo{seed}", EXAMPLE, *common, "distillation=null")
-    rows = [
-        r for r in read_metrics(scratch / f"distill{seed}" / "metrics.jsonl") if "distill/reverse_kl" in r
-    ]
-    return {
-        "teacher": held_out_pass_at_1(scratch / f"teacher{seed}"),
-        "distill": held_out_pass_at_1(scratch / f"distill{seed}"),
-        "grpo": held_out_pass_at_1(scratch / f"grpo{seed}"),
-        "kl_first": statistics.mean(r["distill/reverse_kl"] for r in rows[:10]),
-        "kl_last": statistics.mean(r["distill/reverse_kl"] for r in rows[-10:]),
-    }
+    results["grpo"] = held_out_pass_at_1(scratch / f"grpo{seed}")
+    return results
+
+
+def row(name: object, f: dict[str, float], signals: list[str]) -> str:
+    cells = [f"{f['teacher']:.3f}", *(f"{f[s]:.3f}" for s in signals), f"{f['grpo']:.3f}"]
+    cells += [f"{100 * (f[s] - f['teacher']):+.1f}" for s in [*signals, "grpo"]]
+    cells += [f"{f[f'{s}_kl_first']:.3f} -> {f[f'{s}_kl_last']:.3f}" for s in signals]
+    return f"| {name} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -91,31 +98,35 @@ def main() -> None:
     parser.add_argument("--teacher", type=Path, default=Path("runs/demo"))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--signals",
+        nargs="+",
+        choices=["top_k", "sampled"],
+        default=["top_k", "sampled"],
+        help="distillation.signal of each distillation run",
+    )
     args = parser.parse_args()
+    signals = args.signals
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
         teacher = teacher_folder(args.teacher, scratch)
         print(f"teacher {teacher}; {args.steps} steps per run; held-out pass@1 (64 problems x 8 samples)\n")
+        names = [*signals, "GRPO"]
         print(
-            "| seed | teacher | distillation | GRPO | distillation - teacher | GRPO - teacher | reverse KL first 10 -> last 10 steps |"
+            "| seed | teacher | "
+            + " | ".join(names)
+            + " | "
+            + " | ".join(f"{n} - teacher" for n in names)
+            + " | "
+            + " | ".join(f"{s} reverse KL first 10 -> last 10 steps" for s in signals)
+            + " |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---" * (2 + 2 * len(names) + len(signals)) + "|")
         results = []
         for seed in args.seeds:
-            f = compare(seed, args.steps, teacher, scratch)
-            results.append(f)
-            print(
-                f"| {seed} | {f['teacher']:.3f} | {f['distill']:.3f} | {f['grpo']:.3f} "
-                f"| {100 * (f['distill'] - f['teacher']):+.1f} | {100 * (f['grpo'] - f['teacher']):+.1f} "
-                f"| {f['kl_first']:.3f} -> {f['kl_last']:.3f} |",
-                flush=True,
-            )
-        mean = {key: statistics.mean(f[key] for f in results) for key in results[0]}
-        print(
-            f"| mean | {mean['teacher']:.3f} | {mean['distill']:.3f} | {mean['grpo']:.3f} "
-            f"| {100 * (mean['distill'] - mean['teacher']):+.1f} | {100 * (mean['grpo'] - mean['teacher']):+.1f} "
-            f"| {mean['kl_first']:.3f} -> {mean['kl_last']:.3f} |"
-        )
+            results.append(compare(seed, args.steps, teacher, scratch, signals))
+            print(row(seed, results[-1], signals), flush=True)
+        print(row("mean", {key: statistics.mean(f[key] for f in results) for key in results[0]}, signals))
 
 
 if __name__ == "__main__":

@@ -368,22 +368,31 @@ class AlgorithmConfig(Section):
 
 
 class DistillationConfig(Section):
-    """On-policy distillation (docs/algorithms.md): a teacher scores every token the policy samples, and
-    each token's advantage gains `coef * (teacher logprob - policy logprob)`, so that the policy lowers its
-    per-token reverse KL to the teacher. The teacher must share the policy's tokenizer."""
+    """On-policy distillation (docs/algorithms.md): a teacher scores every position the policy samples,
+    and the policy is trained to lower its per-token reverse KL to the teacher there. The teacher must
+    share the policy's tokenizer."""
 
     teacher: str
     """The teacher: anything `model.spec` takes (`tiny://NAME`, a local folder, a hub id), or a run or
     checkpoint folder of an earlier llmrl run (its latest checkpoint's model; a LoRA run's adapter merged
     onto its base)."""
+    signal: Literal["top_k", "sampled"] = "top_k"
+    """`top_k`: at each completion position, the exact reverse KL from the policy's next-token
+    distribution to the teacher's over the teacher's `top_k` likeliest tokens and the rest of the
+    vocabulary as one more outcome, a loss term weighted by `coef` (no sampling noise); `sampled`: the
+    one-sample estimate, each token's advantage gaining `coef * (teacher logprob - policy logprob)` of
+    the sampled token. `top_k` compares whole distributions, so it refuses rollouts sampled with
+    top-k/top-p/min-p filters."""
+    top_k: int = Field(64, ge=1)
+    """Teacher tokens kept per position with `signal: top_k` (the rest count as one outcome)."""
     coef: float = Field(1.0, gt=0.0)
-    """Weight of the distillation term in each token's advantage."""
+    """Weight of the distillation term (the KL loss term, or the per-token advantage)."""
     teacher_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype the teacher is loaded and run in; None: `model.dtype`."""
     rewards: Literal["add", "ignore"] = "add"
-    """`add`: the environments' group advantages are added to the distillation term (an environment
-    without rewards gives equal rewards, hence zero group advantages, and distillation alone); `ignore`:
-    the teacher alone trains the policy."""
+    """`add`: the environments' group advantages train the policy too, beside the distillation term (an
+    environment without rewards gives equal rewards, hence zero group advantages, and distillation
+    alone); `ignore`: the teacher alone trains the policy."""
 
 
 class TrainingConfig(Section):

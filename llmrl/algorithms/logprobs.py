@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from llmrl.algorithms.distillation import teacher_top_k, top_k_reverse_kl
 from llmrl.algorithms.packing import PackedBatch, has_local_attention
 
 CHUNK_ELEMENTS = 2**24
@@ -117,7 +118,7 @@ def selective_log_softmax(
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"targets has shape {tuple(targets.shape)}, logits need {tuple(logits.shape[:-1])}")
-    flat_logprobs, flat_entropies = _chunked(
+    flat_logprobs, flat_entropies, _ = _chunked(
         logits.reshape(-1, logits.shape[-1]),
         targets.reshape(-1),
         lambda x: x,
@@ -155,7 +156,7 @@ def logprobs_from_hidden(
         raise ValueError(
             f"lm_head_weight must be [vocab, {hidden.shape[-1]}], got {tuple(lm_head_weight.shape)}"
         )
-    flat_logprobs, flat_entropies = _chunked(
+    flat_logprobs, flat_entropies, _ = _chunked(
         hidden.reshape(-1, hidden.shape[-1]),
         targets.reshape(-1),
         _lm_head(lm_head_weight, lm_head_bias, transform),
@@ -190,35 +191,124 @@ def token_logprobs(
     of token ``t`` given the tokens before it in its sequence, filled in where ``batch.loss_mask`` is
     True and 0 elsewhere (the LM head only runs on those tokens).
     """
+    logprobs, entropies, _ = _token_stats(model, batch, temperature, with_entropy, chunk_size)
+    return logprobs, entropies
+
+
+def token_logprobs_and_teacher_kl(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float | torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`token_logprobs`, and at each token the reverse KL from the model's distribution to a teacher's
+    top-k (`llmrl.algorithms.distillation.top_k_reverse_kl`) from the same logits: ``[R, T]`` each.
+
+    `teacher_logprobs` ``[R, T, k + 1]`` and `teacher_ids` ``[R, T, k]`` are `token_top_k`'s, laid out
+    like the batch. `temperature`: one, or ``[R, T]`` per token (no sampling filters: the KL compares
+    whole distributions).
+    """
+    return _token_stats(
+        model, batch, _temperatures(temperature), with_entropy, chunk_size, (teacher_logprobs, teacher_ids)
+    )
+
+
+@torch.no_grad()
+def token_top_k(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float | torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A teacher's view of `batch`: the logprob of each token ``[R, T]`` (as `token_logprobs`), and its
+    distribution there cut to its `k` likeliest tokens (`llmrl.algorithms.distillation.teacher_top_k`):
+    logprobs ``[R, T, k + 1]`` (the last, the rest of the vocabulary) and ids ``[R, T, k]``, zero off the
+    loss mask. `temperature`: one, or ``[R, T]`` per token."""
+    hidden, rows, columns, lm_head = _masked_hidden(model, batch)
+    to_logits = _lm_head(lm_head.weight, lm_head.bias, logit_transform(model.config))
+    temperatures = _temperatures(temperature)
+    divisors = temperatures if isinstance(temperatures, float) else temperatures.temperature[rows, columns]
+    targets = batch.input_ids[rows, columns]
+    k = min(k, lm_head.weight.shape[0])
+    chunk_size = max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
+    pieces = []
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = start + chunk_size
+            divisor = divisors if isinstance(divisors, float) else divisors[start:stop, None]
+            log_probs = torch.log_softmax(to_logits(hidden[start:stop]).float() / divisor, dim=-1)
+            pieces.append(
+                (log_probs.gather(-1, targets[start:stop, None])[:, 0], *teacher_top_k(log_probs, k))
+            )
+    shape = batch.loss_mask.shape
+    logprobs = torch.zeros(shape, device=hidden.device)
+    grouped = torch.zeros((*shape, k + 1), device=hidden.device)
+    ids = torch.zeros((*shape, k), dtype=torch.int64, device=hidden.device)
+    if pieces:
+        logprobs[rows, columns] = torch.cat([p[0] for p in pieces])
+        grouped[rows, columns] = torch.cat([p[1] for p in pieces])
+        ids[rows, columns] = torch.cat([p[2] for p in pieces])
+    return logprobs, grouped, ids
+
+
+def _token_stats(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float | SamplingParams,
+    with_entropy: bool,
+    chunk_size: int | None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-token logprobs, entropies (None unless asked) and teacher KLs (0 without a `teacher`), ``[R, T]``."""
+    hidden, rows, columns, lm_head = _masked_hidden(model, batch)
+    # The LM head runs in its weight's dtype even under autocast: float32 master weights give
+    # float32 logits, as without autocast.
+    with torch.autocast(hidden.device.type, enabled=False):
+        logprobs, entropies, teacher_kl = _chunked(
+            hidden,
+            batch.input_ids[rows, columns],  # (N,)
+            _lm_head(lm_head.weight, lm_head.bias, logit_transform(model.config)),
+            lm_head.weight.shape[0],
+            temperature
+            if isinstance(temperature, int | float)
+            else temperature.map(lambda t: t[rows, columns]),
+            with_entropy,
+            chunk_size,
+            None if teacher is None else (teacher[0][rows, columns], teacher[1][rows, columns]),
+        )
+    placed = torch.zeros(batch.loss_mask.shape, dtype=logprobs.dtype, device=logprobs.device)
+    return (
+        placed.index_put((rows, columns), logprobs),
+        None if entropies is None else placed.index_put((rows, columns), entropies),
+        placed if teacher_kl is None else placed.index_put((rows, columns), teacher_kl),
+    )
+
+
+def _masked_hidden(
+    model: torch.nn.Module, batch: PackedBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.nn.Module]:
+    """The final hidden states ``[N, H]`` that predict the loss-mask tokens (in the LM head's dtype), the
+    rows and columns of those tokens, and the LM head."""
     _check_causal_lm(model)
-    backbone = model.base_model
     lm_head = model.get_output_embeddings()
-    hidden = backbone(
+    hidden = model.base_model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=_attention_mask(model, batch, lm_head.weight.dtype),
         use_cache=False,
     ).last_hidden_state  # (R, T, H)
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
-    # The LM head runs in its weight's dtype even under autocast: float32 master weights give
-    # float32 logits, as without autocast.
-    with torch.autocast(hidden.device.type, enabled=False):
-        logprobs, entropies = logprobs_from_hidden(
-            hidden[rows, batch.context_positions[rows, columns]].to(lm_head.weight.dtype),  # (N, H)
-            lm_head.weight,
-            batch.input_ids[rows, columns],  # (N,)
-            temperature
-            if isinstance(temperature, int | float)
-            else temperature.map(lambda t: t[rows, columns]),
-            lm_head_bias=lm_head.bias,
-            transform=logit_transform(model.config),
-            with_entropy=with_entropy,
-            chunk_size=chunk_size,
-        )
-    placed = torch.zeros(batch.loss_mask.shape, dtype=logprobs.dtype, device=logprobs.device)
-    if entropies is not None:
-        entropies = placed.index_put((rows, columns), entropies)
-    return placed.index_put((rows, columns), logprobs), entropies
+    return (
+        hidden[rows, batch.context_positions[rows, columns]].to(lm_head.weight.dtype),
+        rows,
+        columns,
+        lm_head,
+    )
+
+
+def _temperatures(temperature: float | torch.Tensor) -> float | SamplingParams:
+    return float(temperature) if isinstance(temperature, int | float) else SamplingParams(temperature)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,10 +323,12 @@ def _chunked(
     temperature: float | SamplingParams,
     with_entropy: bool,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Apply `_chunk_stats` to ``[N, D]`` inputs `chunk_size` rows at a time and concatenate.
 
-    ``chunk_size=None`` picks ``CHUNK_ELEMENTS // vocab`` tokens per chunk.
+    ``chunk_size=None`` picks ``CHUNK_ELEMENTS // vocab`` tokens per chunk. `teacher`: ``[N, k + 1]``
+    logprobs and ``[N, k]`` ids of a teacher's top k, for the reverse KL to it (None without).
     """
     lowest = (
         temperature
@@ -256,7 +348,8 @@ def _chunked(
             if isinstance(temperature, int | float)
             else temperature.map(lambda t: t[start : start + chunk_size])
         )
-        return _chunk_stats(to_logits(x), y, params, with_entropy)
+        scored = None if teacher is None else tuple(t[start : start + chunk_size] for t in teacher)
+        return _chunk_stats(to_logits(x), y, params, with_entropy, scored)
 
     pieces = []
     # A single chunk is not checkpointed: what autograd keeps of it is bounded by the chunk budget,
@@ -272,27 +365,36 @@ def _chunked(
             pieces.append(stats(x, y, start))
     logprobs = torch.cat([p[0] for p in pieces])
     entropies = torch.cat([p[1] for p in pieces]) if with_entropy else None
-    return logprobs, entropies
+    teacher_kl = torch.cat([p[-1] for p in pieces]) if teacher is not None else None
+    return logprobs, entropies, teacher_kl
 
 
 def _chunk_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float | SamplingParams, with_entropy: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | SamplingParams,
+    with_entropy: bool,
+    teacher: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Logprob of each target (and entropy) for one chunk of ``[n, V]`` logits."""
+    """Logprob of each target (then its entropy, then its reverse KL to `teacher`'s top k, each when
+    asked) for one chunk of ``[n, V]`` logits."""
     divisor = temperature if isinstance(temperature, int | float) else temperature.temperature[:, None]
     log_probs = torch.log_softmax(logits.float() / divisor, dim=-1)  # (n, V), only this chunk
     if isinstance(temperature, SamplingParams) and temperature.filters:
+        if teacher is not None:
+            raise ValueError("a teacher's KL compares whole distributions: sampling filters do not apply")
         with torch.no_grad():
             keep = kept_tokens(log_probs.exp(), temperature)
             keep[torch.arange(len(targets), device=keep.device), targets] = True  # the engine drew it
         kept = log_probs.masked_fill(~keep, -math.inf)
         log_probs = kept - kept.logsumexp(dim=-1, keepdim=True)  # renormalised over the kept tokens
-    logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return (logprobs,)
-    # clamp: a -inf logit (a banned token) has p = 0 and must add 0, not 0 * -inf = NaN.
-    entropies = -(log_probs.exp() * log_probs.clamp(min=torch.finfo(log_probs.dtype).min)).sum(-1)
-    return logprobs, entropies
+    stats = [log_probs.gather(-1, targets[:, None]).squeeze(-1)]
+    if with_entropy:
+        # clamp: a -inf logit (a banned token) has p = 0 and must add 0, not 0 * -inf = NaN.
+        stats.append(-(log_probs.exp() * log_probs.clamp(min=torch.finfo(log_probs.dtype).min)).sum(-1))
+    if teacher is not None:
+        stats.append(top_k_reverse_kl(log_probs, *teacher))
+    return tuple(stats)
 
 
 def _flat(temperature: float | SamplingParams) -> float | SamplingParams:

@@ -159,6 +159,8 @@ def policy_loss(
     entropies: torch.Tensor | None = None,
     inference_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
+    teacher_kl: torch.Tensor | None = None,
+    teacher_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy-gradient loss to minimise and its metrics (see the module docstring for formulas).
 
@@ -176,6 +178,9 @@ def policy_loss(
             Given without it, they only feed the mismatch metrics.
         sequence_ids: ``[B, T]`` sequence index of each token for packed rows (non-negative on masked
             tokens; anything, e.g. -1, elsewhere). None means one sequence per row.
+        teacher_kl: ``[B, T]`` each token's divergence from a distillation teacher, carrying its gradient
+            (`llmrl.algorithms.distillation.top_k_reverse_kl`), added to the token's loss times
+            `teacher_coef` and aggregated like the rest.
 
     Returns ``(loss, metrics)``: a scalar tensor and a dict of floats. Metrics are token means over
     the masked tokens of this call unless named otherwise; ``num_tokens`` / ``num_sequences`` let a
@@ -183,7 +188,9 @@ def policy_loss(
     """
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0 (or None), got {normalizer}")
-    _check_shapes(logprobs, old_logprobs, mask, ref_logprobs, entropies, inference_logprobs, sequence_ids)
+    _check_shapes(
+        logprobs, old_logprobs, mask, ref_logprobs, entropies, inference_logprobs, sequence_ids, teacher_kl
+    )
     if options.kl_beta > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs are required when kl_beta > 0")
     if options.entropy_coef > 0 and entropies is None:
@@ -247,6 +254,11 @@ def policy_loss(
         entropies = torch.where(in_mask, entropies, 0.0)
         metrics["entropy"] = _token_mean(entropies, m)
         per_token = per_token - options.entropy_coef * entropies
+
+    if teacher_kl is not None:
+        teacher_kl = torch.where(in_mask, teacher_kl, 0.0)
+        metrics["teacher_kl"] = _token_mean(teacher_kl, m)
+        per_token = per_token + teacher_coef * teacher_kl
 
     weight = keep * _aggregation_weight(segment, tokens_per_sequence, options.aggregation)  # (B, T)
     if normalizer is None:
@@ -418,6 +430,7 @@ def _check_shapes(
     entropies: torch.Tensor | None,
     inference_logprobs: torch.Tensor | None,
     sequence_ids: torch.Tensor | None,
+    teacher_kl: torch.Tensor | None,
 ) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -426,6 +439,7 @@ def _check_shapes(
         "mask": mask,
         "ref_logprobs": ref_logprobs,
         "entropies": entropies,
+        "teacher_kl": teacher_kl,
         "inference_logprobs": inference_logprobs,
         "sequence_ids": sequence_ids,
     }

@@ -401,12 +401,15 @@ def pack_values(
     fill: float = 0.0,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Lay out per-token values (e.g. inference logprobs) of each sequence like `batch` -> ``[R, T]``.
+    """Lay out per-token values (e.g. inference logprobs) of each sequence like `batch` -> ``[R, T, ...]``.
 
-    ``values[i]`` has one entry per token of sequence ``i``; padding gets `fill`. A shared prefix
-    gets its first member's values (all members' are the same for anything computed from the tokens).
+    ``values[i]`` has one entry per token of sequence ``i`` (a number, or a tensor of one shape for all,
+    which trails ``[R, T]``); padding gets `fill`. A shared prefix gets its first member's values (all
+    members' are the same for anything computed from the tokens).
     """
-    out = torch.full(batch.input_ids.shape, fill, dtype=dtype)
+    first = next(iter(batch.spans), None)
+    trailing = () if first is None else tuple(torch.as_tensor(values[first]).shape[1:])
+    out = torch.full((*batch.input_ids.shape, *trailing), fill, dtype=dtype)
     for i, pieces in batch.spans.items():
         length = sum(stop - start for _, start, stop in pieces)
         if len(values[i]) != length:

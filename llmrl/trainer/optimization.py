@@ -12,13 +12,16 @@ detached (the ratio is exactly 1 and no extra pass is needed); otherwise they co
 pass before the first update. The reference model's logprobs (``kl_beta > 0``) also come from one
 no-grad pass per step: of the reference model, or, with LoRA, of the policy with its adapters off.
 
-With on-policy distillation (`distillation`) the teacher's logprobs come from one more no-grad pass
-(sharded like the reference's), and ``pi_old`` always from its own no-grad pass of the policy: each
-token's advantage becomes its rollout's reward advantage (or 0, `rewards: ignore`) plus
-``coef * (teacher - pi_old)`` (`llmrl.algorithms.distillation`), fixed for the whole step. The policy's
-side is ``pi_old``, not the engine's sampling logprobs: computed by the same forward code as the
-teacher's, it makes a teacher equal to the policy give exactly 0, and the engine's difference from it
-is the trainer/inference mismatch that `is_mode` corrects.
+With on-policy distillation (`distillation`) the teacher comes in one more no-grad pass (sharded like
+the reference's), and ``pi_old`` always from its own no-grad pass of the policy
+(`llmrl.algorithms.distillation`). With `signal: top_k` the teacher's pass keeps its top-k logprobs at
+each completion position, and each micro-batch's forward computes the policy's reverse KL to them from
+the same logits as its logprobs: a loss term weighted by `coef`, beside the reward advantages (or
+instead of them, `rewards: ignore`). With `signal: sampled` each token's advantage becomes its
+rollout's reward advantage (or 0) plus ``coef * (teacher - pi_old)``, fixed for the whole step. The
+policy's side is ``pi_old``, not the engine's sampling logprobs: computed by the same forward code as
+the teacher's, it makes a teacher equal to the policy give exactly 0, and the engine's difference from
+it is the trainer/inference mismatch that `is_mode` corrects.
 
 When the loss has no KL or entropy term, a rollout with advantage exactly 0 contributes nothing but
 its share of the denominator, so it skips the forward and backward passes (whole GRPO groups with
@@ -44,7 +47,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import lr_scheduler
 
 from llmrl.algorithms.distillation import distillation_advantages, reverse_kl_sums
-from llmrl.algorithms.logprobs import SamplingParams, token_logprobs
+from llmrl.algorithms.logprobs import (
+    SamplingParams,
+    token_logprobs,
+    token_logprobs_and_teacher_kl,
+    token_top_k,
+)
 from llmrl.algorithms.losses import LossOptions, policy_loss
 from llmrl.algorithms.packing import (
     PackedBatch,
@@ -186,6 +194,9 @@ class PolicyUpdate:
             [r.generation_args or self.generation_args for r in batch.rollouts],
             [f"{r.env_id} problem {r.problem_id}" for r in batch.rollouts],
         )
+        top_k = self.distillation is not None and self.distillation.signal == "top_k"
+        if top_k:
+            self._check_whole_distributions(batch)
         sequences, masks = batch.sequences, batch.loss_masks
         forwarded = [
             i for i in range(len(batch)) if not (self.skip_zero_advantage and batch.advantages[i] == 0)
@@ -195,7 +206,7 @@ class PolicyUpdate:
             self.training.iterations > 1 or self.training.mini_batches > 1 or self.teacher is not None
         )
         has_reference = self.reference is not None or self.reference_context is not None
-        teacher = None
+        teacher, teacher_top = None, None
         with trace_span(
             "logprobs", old=separate_old, reference=has_reference, teacher=self.teacher is not None
         ):
@@ -210,7 +221,18 @@ class PolicyUpdate:
             elif self.reference_context is not None:
                 with self.reference_context():
                     ref = self._sequence_logprobs(self._policy_forward, sequences, masks, forwarded)
-            if self.teacher is not None:
+            if top_k:
+                assert self.distillation is not None
+                scored = self._sequence_outputs(
+                    self._teacher_forward,
+                    sequences,
+                    masks,
+                    forwarded,
+                    self._top_k_scorer(self.distillation.top_k),
+                )
+                teacher = [None if s is None else s[0] for s in scored]
+                teacher_top = [None if s is None else s[1:] for s in scored]
+            elif self.teacher is not None:
                 teacher = self._sequence_logprobs(self._teacher_forward, sequences, masks, forwarded)
         inference = batch.inference_logprobs
         advantages = batch.advantages.to(self.device)
@@ -219,7 +241,8 @@ class PolicyUpdate:
             assert old is not None and self.distillation is not None
             if self.distillation.rewards == "ignore":
                 advantages = torch.zeros_like(advantages)
-            token_advantages = self._distillation_advantages(batch, teacher, old, forwarded)
+            if not top_k:
+                token_advantages = self._distillation_advantages(batch, teacher, old, forwarded)
             distill_metrics = _reverse_kl_metrics(batch, teacher, old, forwarded)
         totals = _MetricTotals()
         for _ in range(self.training.iterations):
@@ -237,7 +260,7 @@ class PolicyUpdate:
                         self._idle_pass(self._policy_forward, sequences, masks, chosen[0], backward=True)
                         continue
                     loss, metrics = self._loss(
-                        packed, advantages, normalizer, old, ref, inference, token_advantages
+                        packed, advantages, normalizer, old, ref, inference, token_advantages, teacher_top
                     )
                     loss.backward()
                     totals.add_micro_batch(metrics)
@@ -339,7 +362,6 @@ class PolicyUpdate:
             if backward:
                 (logprobs.sum() * 0.0).backward()
 
-    @torch.no_grad()
     def _sequence_logprobs(
         self,
         model: torch.nn.Module | ShardedCausalLM | None,
@@ -348,21 +370,66 @@ class PolicyUpdate:
         indices: Sequence[int],
     ) -> list[torch.Tensor | None]:
         """Per-token logprobs of the sequences at `indices` under `model` (None for the others)."""
-        values: list[torch.Tensor | None] = [None] * len(sequences)
+        outputs = self._sequence_outputs(
+            model,
+            sequences,
+            masks,
+            indices,
+            lambda m, packed: token_logprobs(m, packed, self._token_sampling(packed))[:1],
+        )
+        return [None if o is None else o[0] for o in outputs]
+
+    @torch.no_grad()
+    def _sequence_outputs(
+        self,
+        model: torch.nn.Module | ShardedCausalLM | None,
+        sequences: list[list[int]],
+        masks: list[list[bool]],
+        indices: Sequence[int],
+        score: Callable[[torch.nn.Module | ShardedCausalLM, PackedBatch], tuple[torch.Tensor, ...]],
+    ) -> list[tuple[torch.Tensor, ...] | None]:
+        """What `score` computes per token (``[R, T, ...]`` tensors of a packed batch) for each sequence at
+        `indices`, split back per sequence (None for the others)."""
+        values: list[tuple[torch.Tensor, ...] | None] = [None] * len(sequences)
         for packed in self._rank_micro_batches(sequences, masks, indices):
             if packed is None:
                 self._idle_pass(model, sequences, masks, indices[0], backward=False)
                 continue
             with self._compute():
-                logprobs, _ = token_logprobs(model, packed, self._token_sampling(packed))
-            for i, per_token in unpack(logprobs, packed).items():
-                values[i] = per_token.cpu()
+                outputs = [unpack(output, packed) for output in score(model, packed)]
+            for i in outputs[0]:
+                values[i] = tuple(output[i].cpu() for output in outputs)
         if self.distributed is not None:  # every rank trains on other shares in later passes
             for shared in self.distributed.all_gather_object(values):
                 for i, per_token in enumerate(shared):
                     if per_token is not None:
                         values[i] = per_token
         return values
+
+    def _top_k_scorer(
+        self, k: int
+    ) -> Callable[[torch.nn.Module | ShardedCausalLM, PackedBatch], tuple[torch.Tensor, ...]]:
+        """A `_sequence_outputs` scorer of a teacher: its logprobs, and its top-`k` logprobs and ids."""
+        return lambda model, packed: token_top_k(model, packed, self._token_temperatures(packed), k)
+
+    def _token_temperatures(self, packed: PackedBatch) -> float | torch.Tensor:
+        """Each token's sampling temperature laid out like `packed` (sampled without filters)."""
+        sampling = self._token_sampling(packed)
+        return sampling if isinstance(sampling, float) else sampling.temperature
+
+    def _check_whole_distributions(self, batch: RolloutBatch) -> None:
+        """`signal: top_k` compares whole distributions: a rollout sampled through filters is refused."""
+        for rollout in batch.rollouts:
+            args = rollout.generation_args or self.generation_args
+            filters = [
+                name for name in ("top_k", "top_p", "min_p") if getattr(args, name) not in (0, 1.0, None)
+            ]
+            if filters:
+                raise ConfigError(
+                    f"distillation.signal: {rollout.env_id} problem {rollout.problem_id} was sampled with "
+                    f"{', '.join(filters)}, but signal top_k compares whole distributions; sample without "
+                    "filters or use signal: sampled"
+                )
 
     def _distillation_advantages(
         self,
@@ -390,13 +457,26 @@ class PolicyUpdate:
         ref: list[torch.Tensor | None] | None,
         inference: list[list[float]] | None,
         token_advantages: list[torch.Tensor] | None,
+        teacher_top: list[tuple[torch.Tensor, ...] | None] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """`token_advantages` (distillation): per-token advantages of each sequence, added to its
-        reward advantage."""
+        """`token_advantages` (distillation, `signal: sampled`): per-token advantages of each sequence,
+        added to its reward advantage. `teacher_top` (`signal: top_k`): each sequence's teacher top-k
+        logprobs and ids, whose reverse KL from the policy joins the loss."""
+        teacher_kl = None
         with self._compute():
-            logprobs, entropies = token_logprobs(
-                self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
-            )
+            if teacher_top is None:
+                logprobs, entropies = token_logprobs(
+                    self._policy_forward, packed, self._token_sampling(packed), with_entropy=True
+                )
+            else:
+                logprobs, entropies, teacher_kl = token_logprobs_and_teacher_kl(
+                    self._policy_forward,
+                    packed,
+                    self._token_temperatures(packed),
+                    pack_values([t and t[0] for t in teacher_top], packed).to(self.device),
+                    pack_values([t and t[1] for t in teacher_top], packed, dtype=torch.int64).to(self.device),
+                    with_entropy=True,
+                )
         if self.loss_options.entropy_coef == 0:
             entropies = entropies.detach()  # a metric only: no backward through it
         if token_advantages is not None:  # padding (-1) takes sequence 0's: off the mask, never scored
@@ -412,6 +492,8 @@ class PolicyUpdate:
             entropies=entropies,
             inference_logprobs=None if inference is None else pack_values(inference, packed),
             sequence_ids=packed.sequence_ids,
+            teacher_kl=teacher_kl,
+            teacher_coef=self.distillation.coef if self.distillation is not None else 1.0,
         )
 
     def _compute(self) -> contextlib.AbstractContextManager:

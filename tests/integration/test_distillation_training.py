@@ -26,12 +26,9 @@ def teacher(tmp_path_factory, tiny_model_path) -> Path:
     return run_dir
 
 
-def reverse_kls(run_dir: Path) -> list[float]:
-    return [
-        row["distill/reverse_kl"]
-        for row in read_metrics(run_dir / "metrics.jsonl")
-        if "distill/reverse_kl" in row
-    ]
+def reverse_kls(run_dir: Path, key: str = "distill/reverse_kl") -> list[float]:
+    """The run's reverse KL to the teacher per step: the sampled estimate, or `train/teacher_kl` (top k)."""
+    return [row[key] for row in read_metrics(run_dir / "metrics.jsonl") if key in row]
 
 
 def test_a_resumed_distillation_run_ends_with_the_same_weights(tmp_path, teacher):
@@ -56,4 +53,6 @@ def test_two_processes_distill_like_one(tmp_path, teacher):
     assert losses(tmp_path / "2") == pytest.approx(losses(tmp_path / "1"), rel=1e-5, abs=1e-7)
     assert reverse_kls(tmp_path / "2") == pytest.approx(reverse_kls(tmp_path / "1"), rel=1e-5, abs=1e-7)
     assert min(reverse_kls(tmp_path / "1")) > 1e-3
+    top_k = [reverse_kls(tmp_path / str(processes), "train/teacher_kl") for processes in (1, 2)]
+    assert top_k[1] == pytest.approx(top_k[0], rel=1e-5, abs=1e-7) and min(top_k[0]) > 1e-3
     assert_close_weights(weights(tmp_path / "2"), weights(tmp_path / "1"))
