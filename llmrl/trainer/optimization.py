@@ -391,6 +391,8 @@ class PolicyUpdate:
         """What `score` computes per token (``[R, T, ...]`` tensors of a packed batch) for each sequence at
         `indices`, split back per sequence (None for the others)."""
         values: list[tuple[torch.Tensor, ...] | None] = [None] * len(sequences)
+        if not indices:  # nothing to train on (every rank holds the same batch, so all return here)
+            return values
         for packed in self._rank_micro_batches(sequences, masks, indices):
             if packed is None:
                 self._idle_pass(model, sequences, masks, indices[0], backward=False)

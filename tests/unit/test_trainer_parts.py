@@ -376,11 +376,15 @@ def test_skipping_zero_advantage_rollouts_does_not_change_the_update():
     assert skipped_metrics["num_sequences"] < full_metrics["num_sequences"]
 
 
-def test_a_step_without_signal_leaves_the_weights_alone():
-    groups = [RolloutGroup(group_id="equal", rollouts=[rollout([1, 2], [3], 1.0), rollout([1, 2], [4], 1.0)])]
-    policy, metrics = run_update(groups)
+@pytest.mark.parametrize("mini_batches", [1, 2])  # 2: pi_old needs a pass of its own, over nothing
+def test_a_step_without_signal_leaves_the_weights_alone(mini_batches):
+    groups = [
+        RolloutGroup(group_id=f"equal{g}", rollouts=[rollout([1, 2], [3], 1.0), rollout([1, 2], [4], 1.0)])
+        for g in range(2)
+    ]
+    policy, metrics = run_update(groups, training=TrainingConfig(lr=0.5, mini_batches=mini_batches))
     assert_same_weights(policy, tiny_policy(0), atol=0)
-    assert metrics["skipped_updates"] == 1 and metrics["optimizer_steps"] == 0
+    assert metrics["skipped_updates"] == mini_batches and metrics["optimizer_steps"] == 0
 
 
 def test_single_pass_ratio_is_one_and_extra_passes_move_it():
