@@ -91,10 +91,10 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bf16_peak(device: str) -> float:
-    """FLOP/s of a bfloat16 matrix product on random data (8192^3 on a GPU), the median of ten."""
+def matmul_peak(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of a matrix product in `dtype` on random data (8192^3 on a GPU), the median of ten."""
     n = 8192 if device == "cuda" else 1024
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     times = []
     for i in range(13):
         synchronize(device)
@@ -336,7 +336,7 @@ def main() -> None:
     # The shipped tokenizer renders the one-token prompt text; ids past its vocabulary decode to nothing.
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("arithmetic"))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    peak = bf16_peak(device)
+    peak = matmul_peak(device)
     print(
         f"{name}; torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}; "
         f"bfloat16 matrix peak {peak / 1e12:.0f} TFLOP/s (measured)"

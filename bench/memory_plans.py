@@ -122,7 +122,9 @@ def settings_of(config: RunConfig, world_size: int) -> MemorySettings:
         row_tokens=config.training.pack_row_tokens,
         activation_checkpointing=config.training.activation_checkpointing,
         reference_model=config.algorithm.kl_beta > 0,
-        engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
+        engine_tokens=config.inference.resolved_max_batch_tokens
+        if config.inference.type == "local"
+        else None,
     )
 
 

@@ -190,6 +190,12 @@ class VLLMConfig(Section):
         return self.max_loras if self.max_loras is not None else generation_lag + 2
 
 
+DEFAULT_ENGINE_TOKENS = 8192
+"""KV-cache tokens of the embedded engine when `inference.max_batch_tokens` is unset, on CPU."""
+DEFAULT_CONCURRENT = 64
+"""Rows or requests in flight when `inference.max_concurrent` is unset (but for the embedded engine on CUDA)."""
+
+
 class InferenceConfig(Section):
     type: str = "local"
     """Inference interface from the registry: `local` (embedded engine), `openai` (an OpenAI-compatible HTTP
@@ -199,13 +205,18 @@ class InferenceConfig(Section):
     `vllm`, one URL or a list of servers you run (none: llmrl starts its own)."""
     api_key_env: str | None = None
     """Name of the environment variable that holds the server's bearer token, if it needs one."""
-    max_batch_tokens: int = Field(8192, ge=1)
+    max_batch_tokens: int | None = Field(None, ge=1)
     """Admission budget of the embedded engine: KV-cache tokens of all running sequences (a shared prompt
-    counts once)."""
-    max_concurrent: int = Field(64, ge=1)
+    counts once). None: 8192 on CPU; on CUDA, what the memory plan leaves of `memory_utilization` x the
+    GPU's memory (printed with the plan at the start of the run)."""
+    max_concurrent: int | None = Field(None, ge=1)
     """Most sequences decoded at once by the embedded engine or in flight to a server. More rows per decode
-    step use the cores better (the demo runs 256), but the engine's KV cache holds rows x the longest row,
-    so its memory grows in proportion."""
+    step use the hardware better (the demo runs 256), but the engine's KV cache holds rows x the longest
+    row, so its memory grows in proportion. None: 64; on CUDA for the embedded engine, every sample a step
+    has in flight (`prompts_per_step x group_size x (generation_lag + 1)`, at most 1024)."""
+    memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """On CUDA, the share of the GPU's memory the run's memory plan may fill when it sizes the embedded
+    engine's KV cache (`max_batch_tokens` unset); vLLM's own share is `vllm.gpu_memory_utilization`."""
     request_timeout_s: float = Field(120.0, gt=0)
     """Per-request timeout for remote inference."""
     weights_dir: str | None = None
@@ -233,6 +244,16 @@ class InferenceConfig(Section):
     """Sampling parameters of rollouts; an environment's `agent_args.generation_args` override them. The
     trainer takes its logprobs with each rollout's own options (temperature, min_p, top_k, top_p);
     repetition/presence penalties and min_tokens are for evaluation-only environments."""
+
+    @property
+    def resolved_max_batch_tokens(self) -> int:
+        """`max_batch_tokens`, or the embedded engine's budget on CPU when it is unset."""
+        return self.max_batch_tokens if self.max_batch_tokens is not None else DEFAULT_ENGINE_TOKENS
+
+    @property
+    def resolved_max_concurrent(self) -> int:
+        """`max_concurrent`, or the default when it is unset (the run sizes it on CUDA before this is read)."""
+        return self.max_concurrent if self.max_concurrent is not None else DEFAULT_CONCURRENT
 
     @model_validator(mode="before")
     @classmethod

@@ -201,8 +201,8 @@ class LocalEngine(InferenceInterface):
         return cls(
             served,
             tokenizer,
-            max_batch_tokens=config.max_batch_tokens,
-            max_concurrent=config.max_concurrent,
+            max_batch_tokens=config.resolved_max_batch_tokens,
+            max_concurrent=config.resolved_max_concurrent,
             weight_update=config.weight_update,
             seed=seed,
             owns_model=True,

@@ -149,7 +149,7 @@ class OpenAIInterface(InferenceInterface):
             config.base_url,
             api_key=api_key_from_env(config),
             timeout_s=config.request_timeout_s,
-            max_concurrent=config.max_concurrent,
+            max_concurrent=config.resolved_max_concurrent,
             weights_dir=config.weights_dir,
             weight_sync_timeout_s=config.weight_sync_timeout_s,
         )

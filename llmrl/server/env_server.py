@@ -303,7 +303,7 @@ def create_env_app(
             api_key=inference_api_key,
             token_urls=allowed,
             timeout_s=config.inference.request_timeout_s,
-            max_concurrent=config.inference.max_concurrent,
+            max_concurrent=config.inference.resolved_max_concurrent,
         )
     service = EnvironmentService(config, _allowlisted(inference_factory, allowed))
 

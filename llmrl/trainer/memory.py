@@ -13,6 +13,11 @@ under torchrun, the whole weights rank 0 gathers for a checkpoint's folder (on a
 gathered into host memory). The trainer refuses to start when the plan exceeds the
 device's memory, naming the settings that would fit (`MemoryPlan.check`).
 
+On CUDA the plan also sizes the embedded engine where the config leaves it unset (`size_engine`), as
+vLLM's `gpu_memory_utilization` sizes vLLM's: its KV cache takes what every other term leaves of
+`inference.memory_utilization` x the GPU's memory, and it decodes every sample a step has in flight
+at once. On CPU the defaults stay (`inference.max_batch_tokens` 8192, `max_concurrent` 64).
+
 Activations are what autograd keeps of a decoder-only transformer, counted per token and layer from
 the tensors it saves (census on CPU and on an H200, docs/benchmarks.md): in the compute dtype, two
 hidden-wide tensors (the inputs of the output and down projections' neighbours), three more under
@@ -39,7 +44,7 @@ from pathlib import Path
 import torch
 
 from llmrl.algorithms.logprobs import CHUNK_ELEMENTS
-from llmrl.config import ConfigError
+from llmrl.config import DEFAULT_ENGINE_TOKENS, ConfigError
 from llmrl.models.shape import ModelShape
 
 GB = 1e9
@@ -65,6 +70,21 @@ class MemorySettings:
     """vLLM's engine in rank 0's process (`inference.vllm.mode: colocate`); None: no such engine."""
     teacher_bytes: int = 0
     """The distillation teacher's weights, whole (`distillation.teacher`, in `teacher_dtype`); 0: none."""
+
+
+MOST_SIZED_ROWS = 1024
+"""Most rows `size_engine` gives the embedded engine (a step of 64 prompts x 8 samples with a lag of 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSizing:
+    """The embedded engine's size where the plan chose it from the GPU's memory (`size_engine`)."""
+
+    rows: int
+    tokens: int
+    sized: tuple[str, ...]
+    """The `inference` settings chosen here (`max_batch_tokens`, `max_concurrent`); the others were set."""
+    utilization: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +115,8 @@ class MemoryPlan:
     device_bytes: int
     baseline_bytes: int
     """The process before the model loads (CPU only: torch and Python count in its resident set)."""
+    engine_sizing: EngineSizing | None = None
+    """How `size_engine` sized the embedded engine; None: as configured (or no embedded engine)."""
 
     def terms(self, *, rank0: bool, phase: str = "update") -> dict[str, int]:
         """What holds memory during the update (`phase` "update") or, beside a colocated engine, while
@@ -125,9 +147,7 @@ class MemoryPlan:
             terms["teacher"] = s.teacher_bytes / s.world_size
         terms["activations"] = self._activations()
         if rank0 and s.engine_tokens is not None:
-            terms["engine"] = (
-                shape.parameters * compute + 2 * s.engine_tokens * shape.layers * shape.kv_channels * compute
-            )
+            terms["engine"] = shape.parameters * compute + s.engine_tokens * self.kv_bytes_per_token
             if s.lora is not None:  # the base values of the weights adapter deltas are merged onto
                 terms["engine"] += s.lora.adapted * compute
         if rank0 and s.world_size > 1 and self.device == "cpu" and s.lora is None:
@@ -147,6 +167,11 @@ class MemoryPlan:
                     else shape.parameters * compute + engine.cpu_kv_cache_bytes
                 )
         return {name: int(value) for name, value in terms.items()}
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The embedded engine's KV cache per token: keys and values of every layer, in the compute dtype."""
+        return 2 * self.shape.layers * self.shape.kv_channels * self.settings.compute_dtype.itemsize
 
     def phases(self) -> tuple[str, ...]:
         """The phases whose memory must fit: the update, and generation beside a colocated engine."""
@@ -200,6 +225,14 @@ class MemoryPlan:
                 f"{name:<{width}}" + "".join(f"{column.get(name, 0) / GB:>11.3f} GB" for column in columns)
             )
         lines.append(f"{'total':<{width}}" + "".join(f"{sum(c.values()) / GB:>11.3f} GB" for c in columns))
+        sizing = self.engine_sizing
+        if sizing is not None:
+            lines.append(
+                f"embedded engine: {sizing.rows} rows, {sizing.tokens} KV-cache tokens "
+                f"({sizing.tokens * self.kv_bytes_per_token / GB:.1f} GB); "
+                + " and ".join(f"inference.{name}" for name in sizing.sized)
+                + f" sized from the GPU (memory_utilization {sizing.utilization})"
+            )
         return "\n".join(lines)
 
     def check(self) -> None:
@@ -284,6 +317,45 @@ def plan_memory(model: torch.nn.Module, settings: MemorySettings, device: str) -
         device,
         device_memory(device),
         resident_bytes() if device == "cpu" else 0,
+    )
+
+
+def size_engine(
+    plan: MemoryPlan,
+    *,
+    max_batch_tokens: int | None,
+    max_concurrent: int | None,
+    rows_in_flight: int,
+    utilization: float,
+) -> MemoryPlan:
+    """`plan` with the embedded engine sized from the GPU's memory where the config leaves it unset (None).
+
+    KV-cache tokens: what the plan's other terms (the engine's weights among them, in whichever phase
+    needs more) leave of `utilization` x the device's memory, and never fewer than the CPU default, so
+    that a GPU without that room fails the plan's check as before. Rows: `rows_in_flight` (every sample
+    a step has in flight), at most `MOST_SIZED_ROWS`. Settings given explicitly stay as they are.
+    """
+    if max_batch_tokens is not None and max_concurrent is not None:
+        return plan
+    sized = []
+    tokens = max_batch_tokens
+    if tokens is None:
+        without_cache = dataclasses.replace(
+            plan, settings=dataclasses.replace(plan.settings, engine_tokens=0)
+        )
+        others = max(without_cache.total(phase=phase) for phase in plan.phases())
+        tokens = max(
+            int((utilization * plan.device_bytes - others) // plan.kv_bytes_per_token), DEFAULT_ENGINE_TOKENS
+        )
+        sized.append("max_batch_tokens")
+    rows = max_concurrent
+    if rows is None:
+        rows = max(1, min(rows_in_flight, MOST_SIZED_ROWS))
+        sized.append("max_concurrent")
+    return dataclasses.replace(
+        plan,
+        settings=dataclasses.replace(plan.settings, engine_tokens=tokens),
+        engine_sizing=EngineSizing(rows, tokens, tuple(sized), utilization),
     )
 
 

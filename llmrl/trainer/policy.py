@@ -28,7 +28,14 @@ from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import Distributed
 from llmrl.trainer.evaluated_model import EvaluatedModel, find_evaluated_model
 from llmrl.trainer.lora import ADAPTER_FOLDER, Adapters, adapter_sizes
-from llmrl.trainer.memory import ColocatedEngine, LoraSizes, MemoryPlan, MemorySettings, plan_memory
+from llmrl.trainer.memory import (
+    ColocatedEngine,
+    LoraSizes,
+    MemoryPlan,
+    MemorySettings,
+    plan_memory,
+    size_engine,
+)
 
 
 @dataclasses.dataclass
@@ -201,7 +208,9 @@ def plan_training_memory(config: RunConfig, device: str, distributed: Distribute
         row_tokens=config.training.pack_row_tokens,
         activation_checkpointing=config.training.activation_checkpointing,
         reference_model=config.algorithm.kl_beta > 0 and config.model.lora is None,
-        engine_tokens=config.inference.max_batch_tokens if config.inference.type == "local" else None,
+        engine_tokens=config.inference.resolved_max_batch_tokens
+        if config.inference.type == "local"
+        else None,
         colocated=colocated_engine(config.inference),
     )
 
@@ -215,7 +224,17 @@ def plan_training_memory(config: RunConfig, device: str, distributed: Distribute
         settings = dataclasses.replace(settings, lora=LoraSizes(*adapter_sizes(shapes(), config.model.lora)))
     if config.distillation is not None:
         settings = dataclasses.replace(settings, teacher_bytes=_teacher_bytes(config))
-    return plan_memory(shapes(), settings, device)
+    plan = plan_memory(shapes(), settings, device)
+    if device == "cuda" and config.inference.type == "local":
+        training = config.training
+        plan = size_engine(
+            plan,
+            max_batch_tokens=config.inference.max_batch_tokens,
+            max_concurrent=config.inference.max_concurrent,
+            rows_in_flight=training.prompts_per_step * training.group_size * (training.generation_lag + 1),
+            utilization=config.inference.memory_utilization,
+        )
+    return plan
 
 
 def _teacher_bytes(config: RunConfig) -> int:

@@ -46,7 +46,7 @@ import torch
 import transformers
 
 from llmrl.agents import WeightedMultiTask, build_agents
-from llmrl.config import ConfigError, RunConfig
+from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
 from llmrl.files import os_error_behind
 from llmrl.inference import InferenceInterface, build_inference
@@ -125,6 +125,14 @@ class Trainer:
             raise refusal
         return lock
 
+    def _inference_config(self, config: RunConfig) -> InferenceConfig:
+        """The inference section this run builds, with the embedded engine as the memory plan sized it."""
+        inference = config.inference_for_run()
+        sizing = self.memory_plan.engine_sizing
+        if sizing is None:
+            return inference
+        return inference.model_copy(update={"max_batch_tokens": sizing.tokens, "max_concurrent": sizing.rows})
+
     def _release_run_dir(self) -> None:
         if self.run_lock is not None:
             self.run_lock.release()
@@ -153,7 +161,7 @@ class Trainer:
         self.update = self._policy_update()
         if self.is_main:
             self.inference = build_inference(
-                config.inference_for_run(), config.model, seed=config.seed, run_dir=self.run_dir
+                self._inference_config(config), config.model, seed=config.seed, run_dir=self.run_dir
             )
         source = weights_source(
             self.policy,

@@ -12,6 +12,7 @@ from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.packing import build_batch
 from llmrl.config import ConfigError
 from llmrl.models.shape import ModelShape
+from llmrl.trainer import memory as memory_module
 from llmrl.trainer.memory import (
     GB,
     ColocatedEngine,
@@ -20,7 +21,10 @@ from llmrl.trainer.memory import (
     PeakMemory,
     device_memory,
     plan_memory,
+    size_engine,
 )
+from llmrl.trainer.policy import plan_training_memory
+from llmrl.trainer.trainer import Trainer
 
 
 def meta_model(tied: bool = False) -> Qwen2ForCausalLM:
@@ -259,3 +263,77 @@ def test_a_distillation_teacher_is_counted_in_its_own_dtype(tiny_model_path):
     missing = load_config(None, ["distillation={teacher: ./no-such-run}"])
     with pytest.raises(ConfigError, match="distillation.teacher: "):
         plan_training_memory(missing, "cpu", None)
+
+
+def one_and_a_half_b() -> Qwen2ForCausalLM:
+    """Qwen2.5-1.5B's body with the shipped tiny model's 1,024-token vocabulary, on the meta device."""
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(
+            Qwen2Config(
+                hidden_size=1536,
+                num_hidden_layers=28,
+                num_attention_heads=12,
+                num_key_value_heads=2,
+                intermediate_size=8960,
+                vocab_size=1024,
+                tie_word_embeddings=True,
+            )
+        )
+
+
+def test_on_a_gpu_the_engine_takes_what_the_plan_leaves_of_its_share():
+    plan = MemoryPlan(
+        ModelShape.of(one_and_a_half_b()), settings(activation_checkpointing=True), "cuda", 80 * 10**9, 0
+    )
+    sized = size_engine(plan, max_batch_tokens=None, max_concurrent=None, rows_in_flight=512, utilization=0.9)
+    assert sized.engine_sizing is not None
+    tokens = sized.settings.engine_tokens
+    assert (sized.engine_sizing.rows, sized.engine_sizing.tokens) == (512, tokens)
+    assert 0.9 * 80e9 - sized.kv_bytes_per_token <= sized.total() <= 0.9 * 80e9  # filled to the share
+    assert tokens > 100 * 8192 and sized.fits()  # tens of GB of KV cache, not the CPU's 8192 tokens
+    assert sized.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2  # K and V, 28 layers, 2 KV heads of 128, bf16
+    rendered = sized.render()
+    assert f"embedded engine: 512 rows, {tokens} KV-cache tokens" in rendered
+    assert "inference.max_batch_tokens and inference.max_concurrent sized from the GPU" in rendered
+    # explicit settings win; rows are capped
+    own_budget = size_engine(
+        plan, max_batch_tokens=5000, max_concurrent=None, rows_in_flight=4096, utilization=0.9
+    )
+    assert own_budget.engine_sizing is not None and own_budget.engine_sizing.sized == ("max_concurrent",)
+    assert (own_budget.engine_sizing.rows, own_budget.settings.engine_tokens) == (1024, 5000)
+    assert (
+        size_engine(plan, max_batch_tokens=5000, max_concurrent=7, rows_in_flight=1, utilization=0.9) is plan
+    )
+    # a card without room for the CPU default fails the check as an unsized plan would
+    small = dataclasses.replace(plan, device_bytes=20 * 10**9)
+    crowded = size_engine(
+        small, max_batch_tokens=None, max_concurrent=None, rows_in_flight=8, utilization=0.9
+    )
+    assert crowded.settings.engine_tokens == 8192 and not crowded.fits()
+
+
+def test_the_run_sizes_the_engine_on_cuda_only(tmp_path, monkeypatch):
+    from llmrl.config import load_config
+
+    step = ["training.prompts_per_step=4", "training.group_size=8", "training.generation_lag=1"]
+    config = load_config(None, [f"run_dir={tmp_path}", *step])  # the demo: max_concurrent 256, no budget
+    on_cpu = plan_training_memory(config, "cpu", None)
+    assert on_cpu.engine_sizing is None and on_cpu.settings.engine_tokens == 8192
+
+    def built(plan: MemoryPlan, config) -> tuple[int, int]:
+        inference = Trainer._inference_config(
+            dataclasses.make_dataclass("Run", ["memory_plan"])(plan), config
+        )
+        return inference.resolved_max_batch_tokens, inference.resolved_max_concurrent
+
+    assert built(on_cpu, config) == (8192, 256)
+    monkeypatch.setattr(memory_module, "device_memory", lambda device: 80 * 10**9)
+    on_gpu = plan_training_memory(config, "cuda", None)
+    assert on_gpu.engine_sizing is not None and on_gpu.engine_sizing.sized == ("max_batch_tokens",)
+    assert (
+        built(on_gpu, config) == (on_gpu.settings.engine_tokens, 256) and on_gpu.settings.engine_tokens > 8192
+    )
+    unset = load_config(None, [f"run_dir={tmp_path}", *step, "inference.max_concurrent=null"])
+    assert built(plan_training_memory(unset, "cuda", None), unset)[1] == 4 * 8 * 2  # every sample in flight
+    fixed = load_config(None, [f"run_dir={tmp_path}", "inference.max_batch_tokens=4096"])
+    assert plan_training_memory(fixed, "cuda", None).engine_sizing is None

@@ -163,7 +163,7 @@ class VLLMInterface(InferenceInterface):
         common = dict(
             config=vllm,
             request_timeout_s=config.request_timeout_s,
-            max_concurrent=config.max_concurrent,
+            max_concurrent=config.resolved_max_concurrent,
             weight_sync_timeout_s=config.weight_sync_timeout_s,
             bucket_mb=config.weight_sync_bucket_mb,
             api_key=api_key_from_env(config),

@@ -141,7 +141,9 @@ class ColocatedVLLM(InferenceInterface):
             base_model, _ = load_model(
                 model.spec, dtype=model.dtype, trust_remote_code=model.trust_remote_code
             )
-        engine = start_engine(served, model.dtype, vllm, seed=seed, max_concurrent=config.max_concurrent)
+        engine = start_engine(
+            served, model.dtype, vllm, seed=seed, max_concurrent=config.resolved_max_concurrent
+        )
         tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
         return cls(
             engine,
