@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib.resources
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,6 +107,54 @@ def dataset_rows(dataset: Any, argument: str) -> tuple[list[dict[str, Any]], str
             f"{argument}: expected a datasets.Dataset (given in Python, llmrl.train), got {_shown(dataset)}"
         )
     return dataset.to_list(), f"{argument} {describe_python_object(dataset)}"
+
+
+@dataclass(frozen=True)
+class ProblemRows:
+    """An agent's problems as data rows: the training rows, the separate evaluation rows (None: held out
+    of the training rows), and how errors name each source."""
+
+    rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]] | None
+    source: str
+    eval_source: str
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        path: str | None,
+        data_files: str | Sequence[str] | None,
+        name: str | None,
+        split: str,
+        eval_split: str | None,
+        eval_data_files: str | Sequence[str] | None,
+        dataset: Any,
+        eval_dataset: Any,
+    ) -> ProblemRows:
+        """From a hub dataset (`path`, `split`, `eval_split`), local files (`data_files`,
+        `eval_data_files`) or `datasets.Dataset` objects given in Python (`dataset`, `eval_dataset`)."""
+        if eval_split is not None and path is None:
+            raise ValueError("eval_split needs path (a hub dataset); for local files use eval_data_files")
+        if eval_data_files is not None and data_files is None:
+            raise ValueError("eval_data_files needs data_files; for a hub dataset use eval_split")
+        if dataset is not None and (path is not None or data_files is not None):
+            raise ValueError("give dataset, or path or data_files, not both")
+        if eval_dataset is not None and (eval_split is not None or eval_data_files is not None):
+            raise ValueError("give eval_dataset, or eval_split or eval_data_files, not both")
+        if dataset is None:
+            rows, source = (
+                load_rows(path=path, data_files=data_files, name=name, split=split),
+                _describe_source(path, data_files, split),
+            )
+        else:
+            rows, source = dataset_rows(dataset, "dataset")
+        eval_rows, eval_source = None, _describe_source(path, eval_data_files, eval_split or split)
+        if eval_dataset is not None:
+            eval_rows, eval_source = dataset_rows(eval_dataset, "eval_dataset")
+        elif eval_split is not None or eval_data_files is not None:
+            eval_rows = load_rows(path=path, data_files=eval_data_files, name=name, split=eval_split or split)
+        return cls(rows, eval_rows, source, eval_source)
 
 
 class RowProblems(ABC):
@@ -217,14 +266,6 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
             **kwargs: `RewardOnlyAgent` options (eval_size, max_turns, timeouts, generation_args, ...).
         """
         super().__init__(**kwargs)
-        if eval_split is not None and path is None:
-            raise ValueError("eval_split needs path (a hub dataset); for local files use eval_data_files")
-        if eval_data_files is not None and data_files is None:
-            raise ValueError("eval_data_files needs data_files; for a hub dataset use eval_split")
-        if dataset is not None and (path is not None or data_files is not None):
-            raise ValueError("give dataset, or path or data_files, not both")
-        if eval_dataset is not None and (eval_split is not None or eval_data_files is not None):
-            raise ValueError("give eval_dataset, or eval_split or eval_data_files, not both")
         if format not in LAYOUTS:
             raise ValueError(f"format: expected one of {list(LAYOUTS)}, got {format!r}")
         functions = [
@@ -241,11 +282,17 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
         self.chat = chat
-        if dataset is None:
-            self._rows = load_rows(path=path, data_files=data_files, name=name, split=split)
-            self._source = _describe_source(path, data_files, split)
-        else:
-            self._rows, self._source = dataset_rows(dataset, "dataset")
+        rows = ProblemRows.load(
+            path=path,
+            data_files=data_files,
+            name=name,
+            split=split,
+            eval_split=eval_split,
+            eval_data_files=eval_data_files,
+            dataset=dataset,
+            eval_dataset=eval_dataset,
+        )
+        self._rows, self._source = rows.rows, rows.source
         self.layout: Layout = self._detect_layout(self._rows, self._source) if format == "auto" else format
         if not functions and self.layout == "verl":
             functions = [RewardFunction(default_compute_score, name="score", style="verl")]
@@ -255,16 +302,10 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         self.answer_column = answer_column or _DEFAULT_ANSWER_COLUMN[self.layout]
         if answer_column is None and functions and not _has_column(self._rows[0], self.answer_column):
             self.answer_column = None  # reward functions that need no answer, on data without the default one
-        self._eval_rows, eval_source = None, _describe_source(path, eval_data_files, eval_split or split)
-        if eval_dataset is not None:
-            self._eval_rows, eval_source = dataset_rows(eval_dataset, "eval_dataset")
-        elif eval_split is not None or eval_data_files is not None:
-            self._eval_rows = load_rows(
-                path=path, data_files=eval_data_files, name=name, split=eval_split or split
-            )
-        for rows, source in ((self._rows, self._source), (self._eval_rows, eval_source)):
-            if rows is not None:
-                self._check_rows(rows, source)
+        self._eval_rows = rows.eval_rows
+        for checked, source in ((rows.rows, rows.source), (rows.eval_rows, rows.eval_source)):
+            if checked is not None:
+                self._check_rows(checked, source)
 
     # ---- columns ---------------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ and the config names it::
           data_files: examples/data/sums_train.jsonl
           eval_data_files: examples/data/sums_test.jsonl
 
-From Python (`llmrl.train`), `rollout` may be the function itself.
+From Python (`llmrl.train`), `rollout` may be the function itself, and `dataset` / `eval_dataset`
+`datasets.Dataset` objects.
 
 Problems are the rows of `data_files` / `eval_data_files` (or a hub dataset: `path`, `split`,
 `eval_split`), read as the dataset agent reads them, each passed to the program as a dict. An
@@ -51,7 +52,7 @@ import httpx
 import openai
 
 from llmrl.agents.base import Problem, placeholder_rollout, request_args
-from llmrl.agents.dataset import RowProblems, load_rows
+from llmrl.agents.dataset import ProblemRows, RowProblems
 from llmrl.agents.endpoint import Episode, EpisodeFailure, EpisodeLimits
 from llmrl.agents.reward_only import ProblemSetAgent
 from llmrl.agents.tool_parsers import TOOL_PARSERS
@@ -87,6 +88,8 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
         split: str = "train",
         eval_split: str | None = None,
         eval_data_files: str | list[str] | None = None,
+        dataset: Any = None,
+        eval_dataset: Any = None,
         id_column: str | None = None,
         **kwargs: Any,
     ):
@@ -102,6 +105,8 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
                 its training sequences together, seconds (None: no limit).
             path / name / split / eval_split / data_files / eval_data_files / id_column: the
                 problems, as for the dataset agent (ids default to the row number).
+            dataset / eval_dataset: a `datasets.Dataset` (from Python, `llmrl.train`) in place of `path` or
+                `data_files`, and of `eval_split` or `eval_data_files`.
             **kwargs: `ProblemSetAgent` options (eval_size, inference_timeout_s, generation_args).
         """
         super().__init__(**kwargs)
@@ -116,10 +121,16 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
                 raise ValueError(f"{field} must be >= 1 or null, got {value}")
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or null, got {timeout_s}")
-        if eval_split is not None and path is None:
-            raise ValueError("eval_split needs path (a hub dataset); for local files use eval_data_files")
-        if eval_data_files is not None and data_files is None:
-            raise ValueError("eval_data_files needs data_files; for a hub dataset use eval_split")
+        rows = ProblemRows.load(
+            path=path,
+            data_files=data_files,
+            name=name,
+            split=split,
+            eval_split=eval_split,
+            eval_data_files=eval_data_files,
+            dataset=dataset,
+            eval_dataset=eval_dataset,
+        )
         self.program: Program = program
         self.model_spec = model_spec
         self.chat_template = chat_template
@@ -127,12 +138,7 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
         self.limits = EpisodeLimits(max_calls=max_calls, max_tokens=max_episode_tokens)
         self.timeout_s = timeout_s
         self.id_column = id_column
-        self._rows = load_rows(path=path, data_files=data_files, name=name, split=split)
-        self._eval_rows = None
-        if eval_split is not None or eval_data_files is not None:
-            self._eval_rows = load_rows(
-                path=path, data_files=eval_data_files, name=name, split=eval_split or split
-            )
+        self._rows, self._eval_rows = rows.rows, rows.eval_rows
 
     # ---- problems --------------------------------------------------------------------------------
 

@@ -343,3 +343,21 @@ def test_program_must_be_async_and_a_plugin(programs, data_file):
     sys.modules["not_a_plugin"] = module
     with pytest.raises(Exception, match="not a plug-in"):
         OpenAIAgent(rollout="not_a_plugin:rollout", data_files=data_file)
+
+
+def test_problems_may_be_datasets_given_in_python(programs, data_file):
+    import datasets
+
+    train = datasets.Dataset.from_list([{"question": f"What is 1 + {i}?"} for i in range(5)])
+    held_out = datasets.Dataset.from_list([{"question": "What is 9 + 9?"}])
+
+    async def program(client, problem):
+        return 1.0
+
+    agent = OpenAIAgent(rollout=program, dataset=train, eval_dataset=held_out, env_id="python")
+    assert [json.loads(p.prompt)["question"] for p in agent.prompts()] == train["question"]
+    assert [json.loads(p.prompt)["question"] for p in agent.eval_prompts()] == ["What is 9 + 9?"]
+    with pytest.raises(ValueError, match="give dataset, or path or data_files, not both"):
+        OpenAIAgent(rollout=program, dataset=train, data_files=data_file)
+    with pytest.raises(ValueError, match="^dataset: a DatasetDict"):
+        OpenAIAgent(rollout=program, dataset=datasets.DatasetDict({"train": train}))
