@@ -29,7 +29,7 @@ import os
 import threading
 import weakref
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,12 @@ class UnsupportedServerError(ValueError):
 
 @dataclass
 class _Session:
-    """What belongs to one event loop: its HTTP client and its in-flight limit."""
+    """What belongs to one event loop: its HTTP client, its in-flight limit, and the lock under which
+    the first request asks the server for its model's name."""
 
     client: httpx.AsyncClient
     slots: asyncio.Semaphore
+    naming: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class OpenAIInterface(InferenceInterface):
@@ -191,8 +193,8 @@ class OpenAIInterface(InferenceInterface):
             else None
         )
         chat = prompt_ids is None and not isinstance(request.prompt, str)
-        body = _request_body(request, model or await self._model_name(), prompt_ids)
         session = self._session()
+        body = _request_body(request, model or await self._model_name(session), prompt_ids)
         async with session.slots:
             data = await self._call(
                 "POST",
@@ -252,15 +254,18 @@ class OpenAIInterface(InferenceInterface):
                 status=response.status_code,
             ) from None
 
-    async def _model_name(self) -> str:
-        if self.model is None:
-            data = await self._call("GET", "/models", timeout_s=self.timeout_s, retries=self.max_retries)
-            try:
-                self.model = str(data["data"][0]["id"])
-            except (KeyError, IndexError, TypeError):
-                raise InferenceServerError(
-                    f"GET {self.base_url}/models lists no model; pass model=..."
-                ) from None
+    async def _model_name(self, session: _Session) -> str:
+        """The server's model, asked once: thousands of requests that start together would otherwise each
+        ask, past the in-flight limit, and httpx's pool would spend its time queueing them."""
+        async with session.naming:
+            if self.model is None:
+                data = await self._call("GET", "/models", timeout_s=self.timeout_s, retries=self.max_retries)
+                try:
+                    self.model = str(data["data"][0]["id"])
+                except (KeyError, IndexError, TypeError):
+                    raise InferenceServerError(
+                        f"GET {self.base_url}/models lists no model; pass model=..."
+                    ) from None
         return self.model
 
     def _session(self) -> _Session:

@@ -465,3 +465,22 @@ def test_from_config(monkeypatch):
     remote = build_inference(config, ModelConfig(), seed=0)
     assert isinstance(remote, OpenAIInterface)
     assert (remote.base_url, remote.max_concurrent, remote.timeout_s) == ("http://h:2/v1", 3, 9)
+
+
+def test_requests_that_start_together_ask_for_the_model_once():
+    def respond(request, attempt):
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "served"}]})
+        return ok(request, attempt)
+
+    remote, seen = scripted(respond)
+    remote.model, remote.max_concurrent = None, 4
+
+    async def many():
+        await asyncio.gather(*(remote.agenerate(InferenceRequest(prompt="q")) for _ in range(300)))
+        await remote.aclose()
+
+    asyncio.run(many())
+    asked = [r for r in seen if r.url.path.endswith("/models")]
+    assert len(asked) == 1 and len(seen) == 301
+    assert {json.loads(r.content)["model"] for r in seen if r not in asked} == {"served"}
