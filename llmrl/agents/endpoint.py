@@ -36,9 +36,10 @@ renders them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,6 +106,57 @@ class _Refused(Exception):
         self.message = message
 
 
+class ProgramClock:
+    """Seconds an episode's program has run on its own: the time its model calls spent waiting for
+    generation is left out (`timeout_s` bounds the program, not the queue in front of the model, which
+    grows with the number of episodes running; the calls have `inference_timeout_s`)."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self._calls_waiting = 0
+        self._waiting_since = 0.0
+        self._waited = 0.0
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """Around a model call: its time does not count (calls made together count once)."""
+        return self._waiting()
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        if self._calls_waiting == 0:
+            self._waiting_since = time.monotonic()
+        self._calls_waiting += 1
+        try:
+            yield
+        finally:
+            self._calls_waiting -= 1
+            if self._calls_waiting == 0:
+                self._waited += time.monotonic() - self._waiting_since
+
+    def seconds(self) -> float:
+        now = time.monotonic()
+        waiting = now - self._waiting_since if self._calls_waiting else 0.0
+        return now - self._started - self._waited - waiting
+
+    async def run(self, program: Awaitable[Any], timeout_s: float | None) -> Any:
+        """Await `program`; past `timeout_s` seconds of its own (`seconds`), cancel it and raise TimeoutError."""
+        task = asyncio.ensure_future(program)
+        try:
+            while timeout_s is not None:
+                left = timeout_s - self.seconds()
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if done:
+                    break
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
 @dataclass(frozen=True)
 class EpisodeLimits:
     max_calls: int | None = None
@@ -158,6 +210,7 @@ class Episode:
         self.sequences: list[Trajectory] = []
         self.failure: EpisodeFailure | None = None
         """Why the episode cannot be trained on (a limit broken, an inference failure), once it cannot."""
+        self.clock = ProgramClock()
 
     # ---- the route -------------------------------------------------------------------------------
 
@@ -181,7 +234,8 @@ class Episode:
             raise _Refused(400, f"messages: the chat template cannot render them: {exc}") from None
         request = InferenceRequest(prompt="", prompt_token_ids=prompt_ids, generation_args=args, n=body.n)
         try:
-            responses = await asyncio.wait_for(self.inference.agenerate(request), self.timeout_s)
+            with self.clock.waiting():
+                responses = await asyncio.wait_for(self.inference.agenerate(request), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed inference fails the episode, not the run
             if isinstance(exc, ValueError) and not isinstance(exc, UnsupportedServerError):
                 # The interface's verdict on the program's request (prompt too long, ...): the program's

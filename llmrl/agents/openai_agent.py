@@ -102,7 +102,8 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
             chat_template: a Jinja chat template file used instead of the tokenizer's.
             tool_parser: how tool calls are read from completions (``hermes``); None refuses ``tools``.
             max_calls / max_episode_tokens / timeout_s: an episode's limits: chat calls, tokens of
-                its training sequences together, seconds (None: no limit).
+                its training sequences together, seconds the program runs on its own (its model calls'
+                waits for generation left out: they have `inference_timeout_s`) (None: no limit).
             path / name / split / eval_split / data_files / eval_data_files / id_column: the
                 problems, as for the dataset agent (ids default to the row number).
             dataset / eval_dataset: a `datasets.Dataset` (from Python, `llmrl.train`) in place of `path` or
@@ -203,7 +204,9 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
                 base_url="http://llmrl-episode/v1", api_key="llmrl", http_client=http, max_retries=0
             )
             try:
-                result = await asyncio.wait_for(self.program(client, dict(problem.row or {})), self.timeout_s)
+                result = await episode.clock.run(
+                    self.program(client, dict(problem.row or {})), self.timeout_s
+                )
             except TimeoutError:
                 failure = EpisodeFailure("limit", f"the program ran past timeout_s={self.timeout_s} s")
             except Exception as exc:  # noqa: BLE001 - the program's failure fails its episode only

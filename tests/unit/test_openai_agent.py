@@ -81,6 +81,7 @@ def programs(tmp_path_factory):
 
 
 PROGRAMS = """
+import asyncio
 import json
 import openai
 
@@ -114,6 +115,11 @@ async def with_penalty(client, problem):
 async def raises(client, problem):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     raise RuntimeError("the program broke")
+
+async def thinks_long(client, problem):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    await asyncio.sleep(0.5)
+    return 1.0
 
 def not_async(client, problem):
     return 1.0
@@ -303,18 +309,30 @@ def test_a_program_past_its_token_limit_becomes_a_placeholder(programs, data_fil
     assert rollout.failure_reason.startswith("limit: ") and "max_episode_tokens=60" in rollout.failure_reason
 
 
-def test_a_program_past_its_timeout_becomes_a_placeholder(programs, data_file, monkeypatch):
-    agent = make_agent(programs, data_file, "calls_forever", max_calls=None, timeout_s=0.2)
-    inference = CraftedInference(agent.tokenizer, lambda i, prompt: "ok")
+def slowed(inference: CraftedInference, seconds: float, monkeypatch) -> None:
     original = inference.agenerate
 
     async def slow(request):
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(seconds)
         return await original(request)
 
     monkeypatch.setattr(inference, "agenerate", slow)
+
+
+def test_a_program_past_its_timeout_becomes_a_placeholder(programs, data_file, monkeypatch):
+    agent = make_agent(programs, data_file, "thinks_long", timeout_s=0.2)
+    inference = CraftedInference(agent.tokenizer, lambda i, prompt: "ok")
+    slowed(inference, 0.05, monkeypatch)
     (rollout,) = draw(agent, inference).rollouts
     assert rollout.failure_reason == "limit: the program ran past timeout_s=0.2 s"
+
+
+def test_waiting_for_generation_does_not_count_against_the_timeout(programs, data_file, monkeypatch):
+    agent = make_agent(programs, data_file, "two_conversations", timeout_s=0.2)
+    inference = CraftedInference(agent.tokenizer, lambda i, prompt: "ok")
+    slowed(inference, 0.3, monkeypatch)  # each call waits longer than the program may run
+    (rollout,) = draw(agent, inference).rollouts
+    assert rollout.failure_reason is None and rollout.reward == 0.5
 
 
 def test_the_client_reaches_only_its_endpoint(programs, data_file):
@@ -361,3 +379,21 @@ def test_problems_may_be_datasets_given_in_python(programs, data_file):
         OpenAIAgent(rollout=program, dataset=train, data_files=data_file)
     with pytest.raises(ValueError, match="^dataset: a DatasetDict"):
         OpenAIAgent(rollout=program, dataset=datasets.DatasetDict({"train": train}))
+
+
+def test_the_program_clock_leaves_out_model_calls_made_together_once():
+    from llmrl.agents.endpoint import ProgramClock
+
+    async def episode():
+        clock = ProgramClock()
+
+        async def call(seconds):
+            with clock.waiting():
+                await asyncio.sleep(seconds)
+
+        await asyncio.gather(call(0.2), call(0.3))  # overlapping: 0.3 s of waiting in all
+        await asyncio.sleep(0.1)  # the program's own
+        return clock.seconds()
+
+    own = asyncio.run(episode())
+    assert 0.09 <= own < 0.2
