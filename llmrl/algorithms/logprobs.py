@@ -25,7 +25,9 @@ Peak memory therefore scales with ``chunk_size x vocab``, not ``tokens x vocab``
 keeps what autograd saves (a few copies of at most `CHUNK_ELEMENTS` logits) instead of recomputing.
 
 `token_logprobs` runs a Hugging Face causal LM on a `llmrl.algorithms.packing.PackedBatch` and keeps
-only the tokens in its loss mask; `selective_log_softmax` and `logprobs_from_hidden` are the pure
+only the tokens in its loss mask (for on-policy distillation's top-k signal, `token_top_k` keeps a
+teacher's k likeliest tokens there too, and `token_logprobs_and_teacher_kl` computes the policy's
+reverse KL to them from the same chunks of logits as its logprobs); `selective_log_softmax` and `logprobs_from_hidden` are the pure
 tensor functions underneath. Models whose logits are not plain ``lm_head(hidden)`` (Gemma 2's
 final soft-capping ``c tanh(z / c)``, Cohere's scale, Granite's divisor) get the same transform
 (`logit_transform`), applied in float32, before the temperature.

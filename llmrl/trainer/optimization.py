@@ -423,9 +423,8 @@ class PolicyUpdate:
         """`signal: top_k` compares whole distributions: a rollout sampled through filters is refused."""
         for rollout in batch.rollouts:
             args = rollout.generation_args or self.generation_args
-            filters = [
-                name for name in ("top_k", "top_p", "min_p") if getattr(args, name) not in (0, 1.0, None)
-            ]
+            used = {"top_k": bool(args.top_k), "top_p": args.top_p < 1.0, "min_p": bool(args.min_p)}
+            filters = [name for name, on in used.items() if on]
             if filters:
                 raise ConfigError(
                     f"distillation.signal: {rollout.env_id} problem {rollout.problem_id} was sampled with "
