@@ -3,6 +3,7 @@ interruption too, and the staleness bound."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -84,11 +85,22 @@ def test_a_slow_group_is_trained_in_a_later_batch_and_none_is_lost_or_trained_tw
 
 @pytest.mark.parametrize("checkpointed", [1, 2])
 def test_an_interruption_replays_recorded_batches_and_regenerates_what_was_running(tmp_path, checkpointed):
-    inference = ScriptedInference(lambda prompt, i: answer_of(prompt), delay_s=slow_every(3, 0.5))
+    # The groups launched once step 1's weights serve outlast the first run, whatever the machine's
+    # load: the crash comes once one of them is generating, and cancels them. The first batches are fast.
+    slow_started = threading.Event()
+
+    def delay(prompt: str) -> float:
+        if not first.policy_version:
+            return 0.0
+        slow_started.set()
+        return 60.0
+
+    first = ScriptedInference(lambda prompt, i: answer_of(prompt), delay_s=delay)
     first_team = agents()
-    pipe = pipeline(tmp_path, inference, first_team, steps=6)
+    pipe = pipeline(tmp_path, first, first_team, steps=6)
     pipe.start(0)
-    before = train(pipe, inference, 1, 2)
+    before = train(pipe, first, 1, 2)
+    assert slow_started.wait(30)
     checkpoint_state = pipe.agent_state(checkpointed)
     if checkpointed == 1:
         RolloutBank(tmp_path).compact(1)  # step 2 trained but not saved
@@ -97,6 +109,9 @@ def test_an_interruption_replays_recorded_batches_and_regenerates_what_was_runni
 
     second_team = agents()
     second_team.load_state_dict(checkpoint_state)
+    inference = ScriptedInference(
+        lambda prompt, i: answer_of(prompt), delay_s=slow_every(3, 0.5), policy_version=checkpointed
+    )
     resumed = pipeline(tmp_path, inference, second_team, steps=6)
     try:
         assert resumed.start(checkpointed) == 2 - checkpointed  # step 2's batch again, as it was
