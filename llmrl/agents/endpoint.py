@@ -117,12 +117,9 @@ class ProgramClock:
         self._waiting_since = 0.0
         self._waited = 0.0
 
-    def waiting(self) -> contextlib.AbstractContextManager[None]:
-        """Around a model call: its time does not count (calls made together count once)."""
-        return self._waiting()
-
     @contextlib.contextmanager
-    def _waiting(self) -> Iterator[None]:
+    def waiting(self) -> Iterator[None]:
+        """Around a model call: its time does not count (calls made together count once)."""
         if self._calls_waiting == 0:
             self._waiting_since = time.monotonic()
         self._calls_waiting += 1

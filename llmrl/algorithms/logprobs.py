@@ -200,7 +200,7 @@ def token_logprobs(
 def token_logprobs_and_teacher_kl(
     model: torch.nn.Module,
     batch: PackedBatch,
-    temperature: float | torch.Tensor,
+    temperature: float | SamplingParams,
     teacher_logprobs: torch.Tensor,
     teacher_ids: torch.Tensor,
     *,
@@ -211,26 +211,26 @@ def token_logprobs_and_teacher_kl(
     top-k (`llmrl.algorithms.distillation.top_k_reverse_kl`) from the same logits: ``[R, T]`` each.
 
     `teacher_logprobs` ``[R, T, k + 1]`` and `teacher_ids` ``[R, T, k]`` are `token_top_k`'s, laid out
-    like the batch. `temperature`: one, or ``[R, T]`` per token (no sampling filters: the KL compares
+    like the batch. `temperature` as for `token_logprobs`, without sampling filters (the KL compares
     whole distributions).
     """
-    return _token_stats(
-        model, batch, _temperatures(temperature), with_entropy, chunk_size, (teacher_logprobs, teacher_ids)
-    )
+    return _token_stats(model, batch, temperature, with_entropy, chunk_size, (teacher_logprobs, teacher_ids))
 
 
 @torch.no_grad()
 def token_top_k(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float | torch.Tensor, k: int
+    model: torch.nn.Module, batch: PackedBatch, temperature: float | SamplingParams, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A teacher's view of `batch`: the logprob of each token ``[R, T]`` (as `token_logprobs`), and its
     distribution there cut to its `k` likeliest tokens (`llmrl.algorithms.distillation.teacher_top_k`):
     logprobs ``[R, T, k + 1]`` (the last, the rest of the vocabulary) and ids ``[R, T, k]``, zero off the
-    loss mask. `temperature`: one, or ``[R, T]`` per token."""
+    loss mask. `temperature` as for `token_logprobs`, without sampling filters (the teacher's whole
+    distribution is kept)."""
+    if isinstance(temperature, SamplingParams) and temperature.filters:
+        raise ValueError("a teacher's top k is of its whole distribution: sampling filters do not apply")
     hidden, rows, columns, lm_head = _masked_hidden(model, batch)
     to_logits = _lm_head(lm_head.weight, lm_head.bias, logit_transform(model.config))
-    temperatures = _temperatures(temperature)
-    divisors = temperatures if isinstance(temperatures, float) else temperatures.temperature[rows, columns]
+    divisors = temperature if isinstance(temperature, int | float) else temperature.temperature[rows, columns]
     targets = batch.input_ids[rows, columns]
     k = min(k, lm_head.weight.shape[0])
     chunk_size = max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
@@ -238,7 +238,7 @@ def token_top_k(
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, hidden.shape[0], chunk_size):
             stop = start + chunk_size
-            divisor = divisors if isinstance(divisors, float) else divisors[start:stop, None]
+            divisor = divisors if isinstance(divisors, int | float) else divisors[start:stop, None]
             log_probs = torch.log_softmax(to_logits(hidden[start:stop]).float() / divisor, dim=-1)
             pieces.append(
                 (log_probs.gather(-1, targets[start:stop, None])[:, 0], *teacher_top_k(log_probs, k))
@@ -307,10 +307,6 @@ def _masked_hidden(
         columns,
         lm_head,
     )
-
-
-def _temperatures(temperature: float | torch.Tensor) -> float | SamplingParams:
-    return float(temperature) if isinstance(temperature, int | float) else SamplingParams(temperature)
 
 
 # ---------------------------------------------------------------------------------------------

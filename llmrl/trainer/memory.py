@@ -81,7 +81,6 @@ class EngineSizing:
     """The embedded engine's size where the plan chose it from the GPU's memory (`size_engine`)."""
 
     rows: int
-    tokens: int
     sized: tuple[str, ...]
     """The `inference` settings chosen here (`max_batch_tokens`, `max_concurrent`); the others were set."""
     utilization: float
@@ -225,11 +224,11 @@ class MemoryPlan:
                 f"{name:<{width}}" + "".join(f"{column.get(name, 0) / GB:>11.3f} GB" for column in columns)
             )
         lines.append(f"{'total':<{width}}" + "".join(f"{sum(c.values()) / GB:>11.3f} GB" for c in columns))
-        sizing = self.engine_sizing
-        if sizing is not None:
+        sizing, tokens = self.engine_sizing, self.settings.engine_tokens
+        if sizing is not None and tokens is not None:
             lines.append(
-                f"embedded engine: {sizing.rows} rows, {sizing.tokens} KV-cache tokens "
-                f"({sizing.tokens * self.kv_bytes_per_token / GB:.1f} GB); "
+                f"embedded engine: {sizing.rows} rows, {tokens} KV-cache tokens "
+                f"({tokens * self.kv_bytes_per_token / GB:.1f} GB); "
                 + " and ".join(f"inference.{name}" for name in sizing.sized)
                 + f" sized from the GPU (memory_utilization {sizing.utilization})"
             )
@@ -355,7 +354,7 @@ def size_engine(
     return dataclasses.replace(
         plan,
         settings=dataclasses.replace(plan.settings, engine_tokens=tokens),
-        engine_sizing=EngineSizing(rows, tokens, tuple(sized), utilization),
+        engine_sizing=EngineSizing(rows, tuple(sized), utilization),
     )
 
 

@@ -412,12 +412,7 @@ class PolicyUpdate:
         self, k: int
     ) -> Callable[[torch.nn.Module | ShardedCausalLM, PackedBatch], tuple[torch.Tensor, ...]]:
         """A `_sequence_outputs` scorer of a teacher: its logprobs, and its top-`k` logprobs and ids."""
-        return lambda model, packed: token_top_k(model, packed, self._token_temperatures(packed), k)
-
-    def _token_temperatures(self, packed: PackedBatch) -> float | torch.Tensor:
-        """Each token's sampling temperature laid out like `packed` (sampled without filters)."""
-        sampling = self._token_sampling(packed)
-        return sampling if isinstance(sampling, float) else sampling.temperature
+        return lambda model, packed: token_top_k(model, packed, self._token_sampling(packed), k)
 
     def _check_whole_distributions(self, batch: RolloutBatch) -> None:
         """`signal: top_k` compares whole distributions: a rollout sampled through filters is refused."""
@@ -473,7 +468,7 @@ class PolicyUpdate:
                 logprobs, entropies, teacher_kl = token_logprobs_and_teacher_kl(
                     self._policy_forward,
                     packed,
-                    self._token_temperatures(packed),
+                    self._token_sampling(packed),
                     pack_values([t and t[0] for t in teacher_top], packed).to(self.device),
                     pack_values([t and t[1] for t in teacher_top], packed, dtype=torch.int64).to(self.device),
                     with_entropy=True,

@@ -128,10 +128,15 @@ class Trainer:
     def _inference_config(self, config: RunConfig) -> InferenceConfig:
         """The inference section this run builds, with the embedded engine as the memory plan sized it."""
         inference = config.inference_for_run()
-        sizing = self.memory_plan.engine_sizing
-        if sizing is None:
+        plan = self.memory_plan
+        if plan.engine_sizing is None:
             return inference
-        return inference.model_copy(update={"max_batch_tokens": sizing.tokens, "max_concurrent": sizing.rows})
+        return inference.model_copy(
+            update={
+                "max_batch_tokens": plan.settings.engine_tokens,
+                "max_concurrent": plan.engine_sizing.rows,
+            }
+        )
 
     def _release_run_dir(self) -> None:
         if self.run_lock is not None:

