@@ -74,7 +74,7 @@ def sync_source(spec: str, mode: str) -> tuple[WeightsSource, int]:
         bucket_bytes=1 << 30,
         compute_dtype=torch.float32,
     )
-    payload = source.payload()
+    payload = source.payload(None)
     payload.drain()
     return source, payload.nbytes
 
@@ -82,11 +82,11 @@ def sync_source(spec: str, mode: str) -> tuple[WeightsSource, int]:
 def timed_syncs(receiver: InferenceInterface, source: WeightsSource, repeats: int) -> list[float]:
     """Sync `source`'s weights to `receiver` once untimed, then `repeats` times timed (seconds each)."""
     transport = receiver.weight_transport(source.kind)
-    transport.send(source.payload(), 1, reset=True)
+    transport.send(source.payload(transport), 1, reset=True)
     times = []
     for version in range(2, repeats + 2):
         started = time.perf_counter()
-        transport.send(source.payload(), version, reset=True)
+        transport.send(source.payload(transport), version, reset=True)
         times.append(time.perf_counter() - started)
     return times
 

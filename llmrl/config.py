@@ -255,6 +255,11 @@ class InferenceConfig(Section):
         """`max_concurrent`, or the default when it is unset (the run sizes it on CUDA before this is read)."""
         return self.max_concurrent if self.max_concurrent is not None else DEFAULT_CONCURRENT
 
+    @property
+    def in_every_process(self) -> bool:
+        """Whether every process of a torchrun run holds an engine (colocated vLLM), rather than rank 0 alone."""
+        return self.type == "vllm" and self.vllm.mode == "colocate"
+
     @model_validator(mode="before")
     @classmethod
     def _renamed_pause_mode(cls, data: Any) -> Any:

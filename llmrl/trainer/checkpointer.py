@@ -124,6 +124,7 @@ class ShardedCheckpointer(Checkpointer):
         for bucket in distributed.gathered_buckets(
             models.policy,
             self.config.inference.weight_sync_bucket_mb << 20,
+            held_on="cpu" if distributed.is_main else None,
             skip=models.tied_names,
             dtype=models.compute_dtype,
         ):

@@ -2,8 +2,9 @@
 
 The policy is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`, each decoder layer and then
 the root) over a one-dimensional device mesh: gloo on CPU, NCCL on GPUs (one per process, by
-``LOCAL_RANK``). Rank 0 alone owns the agents, the inference engine, the rollout pipeline and bank,
-evaluation and every run-folder output; each step it broadcasts the step's rollout groups. Every
+``LOCAL_RANK``). Rank 0 alone owns the agents, the inference side, the rollout pipeline and bank,
+evaluation and every run-folder output (colocated vLLM runs an engine in every process, all serving
+rank 0: `llmrl.inference.vllm.ranks`); each step it broadcasts the step's rollout groups. Every
 rank then computes the same `RolloutBatch` and loss denominators from the whole batch and trains on
 its token-balanced share of each mini-batch (`split_by_tokens`). The losses are already divided by
 the global denominator, so gradients are summed across ranks (gradient divide factor 1), and a run
@@ -11,8 +12,9 @@ computes the same update as one process, up to the order of floating-point addit
 
 No rank but 0 ever holds the full model: rank 0 loads it, the others build it on the meta device,
 and rank 0's weights reach every rank's shards tensor by tensor (`Distributed.load_model`). The
-weight sync gathers the shards for rank 0's inference side in bounded buckets
-(`Distributed.gathered_buckets`), so rank 0 holds one bucket at a time besides its engine.
+weight sync gathers the shards for rank 0's inference side (or each process's colocated engine) in
+bounded buckets (`Distributed.gathered_buckets`), so a process holds one bucket at a time besides its
+engine.
 
 With LoRA (`model.lora`) the adapters are built over the model before it is sharded (`load_model`'s
 `prepare`), so each block's unit holds its frozen base weights and its adapters; only the adapters
@@ -235,16 +237,18 @@ class Distributed:
         model: torch.nn.Module,
         bucket_bytes: int,
         *,
+        held_on: str | None,
         skip: Collection[str] = (),
         dtype: torch.dtype | None = None,
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The unsharded weights, but the names in `skip`, in buckets of at most `bucket_bytes`
-        (`weight_buckets`: a decoder layer larger than that is one bucket), on CPU on rank 0 and
-        empty elsewhere; floating-point weights in `dtype` when given (what inference serves: half
-        the bytes of float32 master weights to move and hold).
+        (`weight_buckets`: a decoder layer larger than that is one bucket), on the device `held_on`
+        ("cpu", or this process's device for a receiver in this process), or empty buckets where it is
+        None (a process that only takes part); floating-point weights in `dtype` when given (what
+        inference serves: half the bytes of float32 master weights to move and hold).
 
         Each bucket is all-gathered by every rank when it is read, so every rank must read the
-        iterator to its end, in step; rank 0 holds the bucket it is given and no other.
+        iterator to its end, in step; a process holds the bucket it is given and no other.
         """
         state = {name: value for name, value in get_model_state_dict(model).items() if name not in skip}
         sizes = {name: value.numel() * value.element_size() for name, value in state.items()}
@@ -252,8 +256,9 @@ class Distributed:
             bucket = {}
             for name in names:
                 value = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
-                if self.is_main:
-                    bucket[name] = (value.to(dtype) if dtype and value.is_floating_point() else value).cpu()
+                if held_on is not None:
+                    cast = dtype if dtype and value.is_floating_point() else value.dtype
+                    bucket[name] = value.to(held_on, cast)
             yield bucket
 
     def broadcast_object(self, obj: Any = None) -> Any:

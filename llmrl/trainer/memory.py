@@ -67,7 +67,7 @@ class MemorySettings:
     lora: LoraSizes | None = None
     """The adapters' sizes when LoRA trains (`model.lora`); None: every parameter trains."""
     colocated: ColocatedEngine | None = None
-    """vLLM's engine in rank 0's process (`inference.vllm.mode: colocate`); None: no such engine."""
+    """vLLM's engine in every process (`inference.vllm.mode: colocate`); None: no such engine."""
     teacher_bytes: int = 0
     """The distillation teacher's weights, whole (`distillation.teacher`, in `teacher_dtype`); 0: none."""
 
@@ -156,7 +156,7 @@ class MemoryPlan:
         if self.device == "cpu":
             terms["process"] = self.baseline_bytes
         engine = s.colocated
-        if rank0 and engine is not None:
+        if engine is not None:
             if phase == "generation":
                 del terms["activations"], terms["gradients"]
             if phase == "generation" or not engine.sleeps:

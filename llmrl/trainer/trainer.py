@@ -98,7 +98,7 @@ class Trainer:
         device = _device(config.training.device)
         self.distributed = Distributed.from_env(device)  # None in one process
         self.is_main = self.distributed is None or self.distributed.is_main
-        self.inference: InferenceInterface | None = None  # rank 0's alone
+        self.inference: InferenceInterface | None = None  # rank 0's, or every process's colocated engine
         self.run_lock: RunLock | None = None  # rank 0's alone
         try:
             self.run_lock = self._hold_run_dir()
@@ -164,7 +164,7 @@ class Trainer:
             generation if generation.seed is not None else generation.merge(GenerationArgs(seed=config.seed))
         )
         self.update = self._policy_update()
-        if self.is_main:
+        if self.is_main or config.inference.in_every_process:
             self.inference = build_inference(
                 self._inference_config(config), config.model, seed=config.seed, run_dir=self.run_dir
             )
@@ -269,6 +269,8 @@ class Trainer:
             if self.evaluator.missing_at_end(self.step):  # e.g. steps: 0
                 self.outputs.log(self.step, self.evaluator.evaluate(self.step, self.inference))
                 self._save()
+            if self.distributed is not None:  # rank 0's last evaluation may use other processes' engines
+                self.distributed.barrier()
             return self._finish()
 
     def _start(self, stack: ExitStack) -> tuple[ProgressDisplay, Callable[[], bool]]:

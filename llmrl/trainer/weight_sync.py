@@ -2,9 +2,10 @@
 and the transport that carries it (`llmrl.weights`).
 
 One `WeightsSource` per run knows the mode: one process sends its state dict as one bucket, FSDP2
-shards are gathered bucket by bucket (every process takes part in each bucket; rank 0 alone holds
-it), and a LoRA run sends its adapters alone. `WeightSync` holds the source and, on the process that
-generates, the transport the inference interface built for the source's payload kind.
+shards are gathered bucket by bucket (every process takes part in each bucket; those with an
+inference side hold it), and a LoRA run sends its adapters alone. `WeightSync` holds the source and,
+on each process with an inference side (rank 0's, or each process's colocated engine), the transport
+that inference interface built for the source's payload kind.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class WeightsSource(ABC):
     kind: ClassVar[PayloadKind]
 
     @abstractmethod
-    def payload(self) -> Payload: ...
+    def payload(self, into: WeightTransport[Any] | None) -> Payload:
+        """This sync's payload, for `into` to read in this process (None: this process only takes
+        part in producing it)."""
 
 
 class PolicyWeights(WeightsSource):
@@ -41,14 +44,15 @@ class PolicyWeights(WeightsSource):
         self.policy = policy
         self.tied_names = tied_names
 
-    def payload(self) -> FullWeights:
+    def payload(self, into: WeightTransport[Any] | None) -> FullWeights:
         state = self.policy.state_dict()
         return FullWeights.of({name: value for name, value in state.items() if name not in self.tied_names})
 
 
 class ShardedPolicyWeights(WeightsSource):
     """FSDP2 shards gathered bucket by bucket in the compute dtype: every process reads every bucket
-    (a collective), rank 0 alone holds it."""
+    (a collective); one whose transport reads it holds it, where that transport takes tensors
+    (`WeightTransport.same_device`: on this process's device, else on CPU)."""
 
     kind = "weights"
 
@@ -67,9 +71,10 @@ class ShardedPolicyWeights(WeightsSource):
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
 
-    def payload(self) -> FullWeights:
+    def payload(self, into: WeightTransport[Any] | None) -> FullWeights:
+        held_on = None if into is None else self.distributed.device if into.same_device else "cpu"
         buckets = self.distributed.gathered_buckets(
-            self.policy, self.bucket_bytes, skip=self.tied_names, dtype=self.dtype
+            self.policy, self.bucket_bytes, held_on=held_on, skip=self.tied_names, dtype=self.dtype
         )
         return FullWeights(buckets)
 
@@ -82,7 +87,7 @@ class PolicyAdapters(WeightsSource):
     def __init__(self, adapters: Adapters):
         self.adapters = adapters
 
-    def payload(self) -> AdapterWeights:
+    def payload(self, into: WeightTransport[Any] | None) -> AdapterWeights:
         return self.adapters.weights()
 
 
@@ -106,8 +111,8 @@ def weights_source(
 
 
 class WeightSync:
-    """Serves the policy's weights on the inference side: `inference` is the process's that generates
-    (None on the others, which only take part in producing the payload)."""
+    """Serves the policy's weights on the inference side: `inference` is this process's (None on a
+    process without one, which only takes part in producing the payload)."""
 
     def __init__(self, source: WeightsSource, inference: InferenceInterface | None):
         self.source = source
@@ -126,7 +131,7 @@ class WeightSync:
     def sync(self, version: int, *, reset: bool = False) -> None:
         """Serve the current weights as `version`. A failure while the inference side is unreachable
         becomes `InferenceUnavailableError` (one line: rerunning resumes)."""
-        payload = self.source.payload()
+        payload = self.source.payload(self.transport)
         if self.transport is not None:
             started = time.time()
             try:
@@ -137,5 +142,5 @@ class WeightSync:
                     raise
                 detail = f"weight sync of step {version}: {type(exc).__name__}: {exc}"
                 raise InferenceUnavailableError(unavailable_line(self.inference, detail, started)) from exc
-        payload.drain()  # the other processes gather every bucket; rank 0 any the transport left unread
+        payload.drain()  # every process gathers every bucket, the transport's unread ones included
         self.bytes_sent = payload.nbytes

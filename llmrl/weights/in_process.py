@@ -42,6 +42,8 @@ class _IntoModel(WeightTransport[P]):
     """A transport into a model of this process, which serves whatever version up to `max_version`
     it is given (so `reset` changes nothing)."""
 
+    same_device = True
+
     def __init__(self, served: dict[str, ServedTensor], apply: ApplyUpdate, max_version: int):
         self.served = served
         self._apply = apply

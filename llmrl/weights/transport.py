@@ -29,6 +29,9 @@ class WeightTransport(ABC, Generic[P]):
     """Moves whole weight versions of the payload kinds it `takes` to one serving side."""
 
     takes: ClassVar[tuple[PayloadKind, ...]]
+    same_device: ClassVar[bool] = False
+    """Whether it takes the trainer's tensors on the trainer's device as they are (a receiver in this
+    process); others are handed gathered weights on CPU."""
 
     @abstractmethod
     def send(self, payload: P, version: int, *, reset: bool = False) -> None:

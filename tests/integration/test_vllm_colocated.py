@@ -57,29 +57,63 @@ if importlib.util.find_spec("vllm") is None:
         assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
         assert f"{ENGINE_CHECKS} passed" in done.stdout, done.stdout[-2000:]
 
-    def test_llmrl_train_colocated_switches_interpreter_learns_and_resumes_exactly(tmp_path):
-        straight, halves = tmp_path / "straight", tmp_path / "halves"
-        # A constant rate: a schedule over 2 steps would not be the first half of one over 4.
-        settings = ("training.steps=4", "checkpoint.every=2", "training.lr_schedule=constant")
-        command = train_command("arithmetic_vllm_colocate.yaml", straight, *settings)
+    # A constant rate: a schedule over 2 steps would not be the first half of one over 4.
+    SHORT_RUN = ("training.steps=4", "checkpoint.every=2", "training.lr_schedule=constant")
+
+    @pytest.fixture(scope="module")
+    def straight(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+        """The colocated example, 4 steps in one process: its run folder and what the command printed."""
+        run_dir = tmp_path_factory.mktemp("colocated") / "straight"
+        command = train_command("arithmetic_vllm_colocate.yaml", run_dir, *SHORT_RUN)
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return run_dir, done
+
+    def metrics_of(run_dir: Path) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def rollouts_of(run_dir: Path) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+
+    def test_llmrl_train_colocated_switches_interpreter_learns_and_resumes_exactly(straight, tmp_path):
+        run_dir, done = straight
         assert "running with" in done.stderr and ".venv-vllm" in done.stderr
-        lines = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+        lines = metrics_of(run_dir)
         steps = [line for line in lines if "train/mismatch_kl" in line]
         assert len(steps) == 4 and max(abs(s["train/mismatch_kl"]) for s in steps) < 1e-6
         assert "eval/arithmetic/pass@1" in lines[-1]
-        rollouts = [json.loads(line) for line in (straight / "rollouts.jsonl").read_text().splitlines()]
-        assert {r["step"]: r["policy_version"] for r in rollouts} == {1: 0, 2: 1, 3: 2, 4: 3}
+        assert {r["step"]: r["policy_version"] for r in rollouts_of(run_dir)} == {1: 0, 2: 1, 3: 2, 4: 3}
 
         # Two steps, then a second command that resumes from the checkpoint: the same numbers.
+        halves = tmp_path / "halves"
         run_training(
-            train_command("arithmetic_vllm_colocate.yaml", halves, "training.steps=2", *settings[1:]), halves
+            train_command("arithmetic_vllm_colocate.yaml", halves, "training.steps=2", *SHORT_RUN[1:]), halves
         )
-        resumed = run_training(train_command("arithmetic_vllm_colocate.yaml", halves, *settings), halves)
+        resumed = run_training(train_command("arithmetic_vllm_colocate.yaml", halves, *SHORT_RUN), halves)
         resumed_steps = [line for line in resumed if "train/loss" in line]
         for key in ("train/loss", "reward/mean", "train/mismatch_kl", "train/grad_norm"):
             assert [s[key] for s in resumed_steps] == [s[key] for s in steps], key
+
+    def test_under_torchrun_every_process_runs_an_engine_and_the_run_equals_one_process(straight, tmp_path):
+        """Two processes, an engine in each serving rank 0's agents, weights synced from the FSDP2
+        shards into each: the same samples as one process (seeded requests), the same losses up to
+        the order of the shards' additions, and the final evaluation over both engines."""
+        one, two = straight[0], tmp_path / "two"
+        command = train_command("arithmetic_vllm_colocate.yaml", two, *SHORT_RUN)
+        torchrun = [command[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        done = subprocess.run(torchrun + command[1:], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-5000:]
+        assert "Traceback" not in output and "terminate called" not in output, output[-5000:]
+        completions = [[(r["problem_id"], r["completion"]) for r in rollouts_of(run)] for run in (one, two)]
+        assert completions[0] == completions[1]
+        assert {r["step"]: r["policy_version"] for r in rollouts_of(two)} == {1: 0, 2: 1, 3: 2, 4: 3}
+        steps = {run: [line for line in metrics_of(run) if "train/loss" in line] for run in (one, two)}
+        assert [s["train/loss"] for s in steps[two]] == pytest.approx(
+            [s["train/loss"] for s in steps[one]], rel=1e-4, abs=1e-7
+        )
+        assert max(abs(s["train/mismatch_kl"]) for s in steps[two]) < 1e-6
+        assert metrics_of(two)[-1]["eval/arithmetic/pass@1"] == metrics_of(one)[-1]["eval/arithmetic/pass@1"]
 
     def test_an_agent_program_with_retries_trains_colocated(tmp_path):
         """The retry example: a program on the `openai` client, several calls per episode (multi-turn)."""
@@ -258,13 +292,9 @@ else:
             )
         assert engine.policy_version == 40
 
-    def test_torchrun_and_a_missing_vllm_are_config_errors(monkeypatch):
+    def test_a_missing_vllm_is_a_config_error(monkeypatch):
         from llmrl.inference.vllm.colocated import check_colocatable
 
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        with pytest.raises(ConfigError, match="one process"):
-            check_colocatable(CONFIG)
-        monkeypatch.setenv("WORLD_SIZE", "1")
         monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
         with pytest.raises(ConfigError, match="no vllm"):
             check_colocatable(CONFIG)

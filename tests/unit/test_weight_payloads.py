@@ -89,7 +89,7 @@ def test_the_one_process_source_sends_the_state_dict_without_tied_names_and_coun
     policy.head = torch.nn.Linear(2, 4, bias=False)
     policy.head.weight = policy.embed.weight
     source = PolicyWeights(policy, tied_names={"head.weight"})
-    assert list(source.payload().state_dict()) == ["embed.weight"]
+    assert list(source.payload(None).state_dict()) == ["embed.weight"]
 
     sent = []
 

@@ -152,10 +152,10 @@ class VLLMInterface(InferenceInterface):
     @classmethod
     def from_config(
         cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
-    ) -> VLLMInterface | ColocatedVLLM:
+    ) -> InferenceInterface:
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
         logging to ``run_dir/vllm/`` (a temporary folder without a run); with ``vllm.mode: colocate``,
-        an engine in this process (`ColocatedVLLM`)."""
+        an engine in this process (`ColocatedVLLM`; under torchrun, one in every process)."""
         vllm = config.vllm
         if vllm.mode == "colocate":
             return ColocatedVLLM.from_config(config, model, seed=seed, run_dir=run_dir)

