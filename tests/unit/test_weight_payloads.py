@@ -7,11 +7,12 @@ import torch
 from safetensors.torch import save_file
 
 from llmrl.inference import Health
-from llmrl.trainer.weight_sync import PolicyWeights, WeightSync
+from llmrl.trainer.weight_sync import PolicyWeights, ShardedPolicyWeights, WeightSync
 from llmrl.weights import (
     AdapterWeights,
     FullWeights,
     WeightSyncError,
+    WeightTransport,
     WrongPayloadError,
     payload_from,
     transport_for,
@@ -114,7 +115,9 @@ def test_a_process_that_does_not_generate_still_produces_every_bucket():
     produced = []
 
     class Gathered(PolicyWeights):
-        def payload(self):
+        def payload(self, into):
+            assert into is None  # nothing reads it in this process
+
             def buckets():
                 for index in range(4):
                     produced.append(index)  # a collective every process must take part in
@@ -124,3 +127,27 @@ def test_a_process_that_does_not_generate_still_produces_every_bucket():
 
     WeightSync(Gathered(torch.nn.Linear(1, 1), ()), inference=None).sync(1)
     assert produced == [0, 1, 2, 3]
+
+
+def test_sharded_buckets_are_held_on_the_device_a_transport_in_this_process_takes():
+    held = []
+
+    class Gathering:
+        device = "cuda:3"
+
+        def gathered_buckets(self, model, bucket_bytes, *, held_on, skip, dtype):
+            held.append(held_on)
+            return iter([])
+
+    class Elsewhere(WeightTransport[FullWeights]):
+        takes = ("weights",)
+
+        def send(self, payload, version, *, reset=False):
+            pass
+
+    source = ShardedPolicyWeights(
+        torch.nn.Linear(1, 1), Gathering(), tied_names=(), bucket_bytes=1, dtype=torch.float32
+    )
+    for into in (None, InProcessWeights({}, lambda update: None, 10), Elsewhere()):
+        source.payload(into)
+    assert held == [None, "cuda:3", "cpu"]
