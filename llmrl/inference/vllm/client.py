@@ -35,6 +35,7 @@ from llmrl.inference.openai import (
 from llmrl.inference.vllm.adapters import AdapterTransport
 from llmrl.inference.vllm.colocated import ColocatedVLLM
 from llmrl.inference.vllm.compatibility import check_trainable, vllm_pause_mode
+from llmrl.inference.vllm.ranks import across_processes
 from llmrl.inference.vllm.routes import ControlSettings, VLLMRoutes
 from llmrl.inference.vllm.server import VLLMServer, start_servers, temporary_folder
 from llmrl.inference.vllm.transports import BroadcastTransport, BucketTransport, Recover, VLLMTransport
@@ -158,7 +159,8 @@ class VLLMInterface(InferenceInterface):
         an engine in this process (`ColocatedVLLM`; under torchrun, one in every process)."""
         vllm = config.vllm
         if vllm.mode == "colocate":
-            return ColocatedVLLM.from_config(config, model, seed=seed, run_dir=run_dir)
+            local = ColocatedVLLM.from_config(config, model, seed=seed, run_dir=run_dir)
+            return across_processes(local, seed=seed)
         lora_rank = model.lora.rank if model.lora is not None else None
         common = dict(
             config=vllm,

@@ -126,10 +126,10 @@ class ColocatedVLLM(InferenceInterface):
     @classmethod
     def from_config(
         cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
-    ) -> InferenceInterface:
+    ) -> ColocatedVLLM:
         """An engine of `model` in this process, on this process's GPU (or the CPU build's cores).
-        Under torchrun every process starts one, and they are joined to serve rank 0's agents
-        (`llmrl.inference.vllm.ranks`): rank 0 gets their interface, the others the service."""
+        Under torchrun every process starts one at the same time (vLLM sets up its groups in the
+        trainer's process group); `llmrl.inference.vllm.ranks` joins them to serve rank 0."""
         from llmrl.models import load_model, load_tokenizer
 
         vllm = config.vllm
@@ -145,7 +145,7 @@ class ColocatedVLLM(InferenceInterface):
             served, model.dtype, vllm, seed=seed, max_concurrent=config.resolved_max_concurrent
         )
         tokenizer = load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code)
-        local = cls(
+        return cls(
             engine,
             tokenizer,
             config=vllm,
@@ -153,11 +153,6 @@ class ColocatedVLLM(InferenceInterface):
             base_model=base_model,
             pause_mode=vllm_pause_mode(config),
         )
-        if _world_size() == 1:
-            return local
-        from llmrl.inference.vllm.ranks import across_processes
-
-        return across_processes(local, seed=seed)
 
     @property
     def policy_version(self) -> int:
@@ -500,19 +495,20 @@ def _shared_served_path(model: ModelConfig, run_dir: Path | None) -> str:
     on rank 0 alone, so the other processes load the one rank 0 wrote (one host, or a shared disk)."""
     from llmrl.inference.vllm.server import served_model_path, temporary_folder
 
-    world_size = _world_size()
+    processes = world_size()
     served = None
-    if world_size == 1 or torch.distributed.get_rank() == 0:
+    if processes == 1 or torch.distributed.get_rank() == 0:
         folder = Path(run_dir) / "vllm" if run_dir is not None else Path(temporary_folder())
         served = served_model_path(model, folder / "model")
-    if world_size == 1:
+    if processes == 1:
         return served
     holder = [served]
     torch.distributed.broadcast_object_list(holder, src=0)
     return holder[0]
 
 
-def _world_size() -> int:
+def world_size() -> int:
+    """Processes of this run (torchrun's ``WORLD_SIZE``; 1 without it)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -547,7 +543,7 @@ def start_engine(model: str, dtype: str, config: VLLMConfig, *, seed: int, max_c
         enable_chunked_prefill=cuda,
         # Under torchrun every process starts its own engine on its own device, in the trainer's
         # process group (vLLM's name for that is an external launcher); alone, vLLM sets up its own.
-        distributed_executor_backend="external_launcher" if _world_size() > 1 else None,
+        distributed_executor_backend="external_launcher" if world_size() > 1 else None,
     )
     return LLMEngine.from_engine_args(engine_args)
 

@@ -29,19 +29,22 @@ from typing import Any
 import torch.distributed as dist
 
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
-from llmrl.inference.vllm.colocated import ColocatedVLLM, with_seed
+from llmrl.inference.vllm.colocated import ColocatedVLLM, with_seed, world_size
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightTransport
 
 _CLOSE = "close"  # rank 0 to a service: nothing more will come
 
 
-def across_processes(local: ColocatedVLLM, *, seed: int) -> ColocatedRanks | RankService:
-    """Join every process's engine to rank 0 (a collective: every process calls it once, after its
-    engine started): rank 0 gets the interface its agents generate with, the others the service that
-    serves it. Each side's `weight_transport` is its own engine's."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    same_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
+def across_processes(local: ColocatedVLLM, *, seed: int) -> InferenceInterface:
+    """This process's interface: in one process, `local` itself; under torchrun, every process's
+    engine joined to rank 0 (a collective: every process calls it once, after its engine started):
+    rank 0 gets the interface its agents generate with, the others the service that serves it. Each
+    side's `weight_transport` is its own engine's."""
+    if world_size() == 1:
+        return local
+    rank, processes = dist.get_rank(), dist.get_world_size()
+    same_host = int(os.environ.get("LOCAL_WORLD_SIZE", processes)) == processes
     listener = None
     meeting: list[Any] = [None, None]
     if rank == 0:
@@ -55,10 +58,10 @@ def across_processes(local: ColocatedVLLM, *, seed: int) -> ColocatedRanks | Ran
     if listener is not None:
         connections: dict[int, Connection] = {}
         with listener:
-            while len(connections) < world_size - 1:
+            while len(connections) < processes - 1:
                 connection = listener.accept()
                 connections[connection.recv()] = connection
-        return ColocatedRanks(local, [connections[peer] for peer in range(1, world_size)], seed=seed)
+        return ColocatedRanks(local, [connections[peer] for peer in range(1, processes)], seed=seed)
     connection = Client(address, authkey=key)
     connection.send(rank)
     return RankService(local, connection, rank=rank)
