@@ -126,6 +126,13 @@ class GenerationArgs(WireModel):
         return ids
 
     @property
+    def filters(self) -> list[str]:
+        """The filters of the sampled distribution set here: "top_k", "top_p", "min_p" (none: the whole
+        distribution at `temperature`)."""
+        used = {"top_k": bool(self.top_k), "top_p": self.top_p < 1.0, "min_p": bool(self.min_p)}
+        return [name for name, on in used.items() if on]
+
+    @property
     def untrainable_options(self) -> dict[str, Any]:
         """Options set here that the trainer cannot reproduce (history-dependent penalties, `min_tokens`)."""
         neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "min_tokens": 0}

@@ -417,9 +417,7 @@ class PolicyUpdate:
     def _check_whole_distributions(self, batch: RolloutBatch) -> None:
         """`signal: top_k` compares whole distributions: a rollout sampled through filters is refused."""
         for rollout in batch.rollouts:
-            args = rollout.generation_args or self.generation_args
-            used = {"top_k": bool(args.top_k), "top_p": args.top_p < 1.0, "min_p": bool(args.min_p)}
-            filters = [name for name, on in used.items() if on]
+            filters = (rollout.generation_args or self.generation_args).filters
             if filters:
                 raise ConfigError(
                     f"distillation.signal: {rollout.env_id} problem {rollout.problem_id} was sampled with "
@@ -532,12 +530,7 @@ def sampling_params(args: Sequence[GenerationArgs], names: Sequence[str]) -> flo
             )
     temperatures = torch.tensor([a.temperature for a in args], dtype=torch.float32)
     top_k, top_p, min_p = ([getattr(a, name) for a in args] for name in ("top_k", "top_p", "min_p"))
-    if (
-        not any(top_k)
-        and all(p == 1.0 for p in top_p)
-        and not any(min_p)
-        and len(set(temperatures.tolist())) <= 1
-    ):
+    if not any(a.filters for a in args) and len(set(temperatures.tolist())) <= 1:
         return args[0].temperature if args else 1.0
     return SamplingParams(
         temperature=temperatures,
