@@ -152,3 +152,9 @@ def test_rollout_group_needs_rollouts():
     with pytest.raises(ValidationError) as info:
         RolloutGroup(group_id="g", rollouts=[])
     assert info.value.errors()[0]["loc"] == ("rollouts",)
+
+
+def test_generation_args_name_the_filters_they_sample_through():
+    assert GenerationArgs().filters == []
+    assert GenerationArgs(temperature=0.7, top_p=1.0).filters == []
+    assert GenerationArgs(top_k=5, top_p=0.9, min_p=0.1).filters == ["top_k", "top_p", "min_p"]
