@@ -234,6 +234,15 @@ def test_a_colocated_engine_must_fit_beside_the_update_and_while_it_generates():
         ModelShape.of(meta_model()), settings(engine_tokens=None, colocated=engine), "cpu", card, 0
     )
     assert cpu.terms(rank0=True)["vLLM colocated"] == cpu.shape.parameters * 2 + 2 * 10**9
+    # Under torchrun every process holds an engine of its own, rank 0's or not.
+    sharded = MemoryPlan(
+        ModelShape.of(meta_model()),
+        settings(engine_tokens=None, colocated=engine, world_size=2),
+        "cuda",
+        card,
+        0,
+    )
+    assert sharded.terms(rank0=False)["vLLM colocated"] == card // 2
 
 
 def test_peak_memory_sees_a_large_allocation_and_starts_a_new_period():
