@@ -136,8 +136,8 @@ class VLLMConfig(Section):
     """`servers`: vLLM runs as servers of its own, which llmrl starts (managed) or you run (external, at
     `inference.base_url`), on GPUs of their own; `colocate`: vLLM's engine runs inside the trainer's process
     on the trainer's device (under torchrun, one in every process, all serving rank 0), and each sync hands it
-    the trainer's tensors in memory (docs/serving.md says when to use which). Colocated, the trainer needs vllm: `llmrl train` runs itself with the interpreter that
-    `python` finds when its own lacks vllm."""
+    the trainer's tensors in memory (docs/serving.md says when to use which). Colocated, the trainer needs
+    vllm: `llmrl train` runs itself with the interpreter that `python` finds when its own lacks vllm."""
     sleep_level: Literal[0, 1, 2] = 0
     """Colocated on CUDA: the engine sleeps while the trainer updates and wakes for the sync (vLLM's sleep mode,
     CUDA only). 1 discards its KV cache and moves its weights to CPU memory, 2 discards both (the sync sends
