@@ -69,13 +69,21 @@ def across_processes(local: ColocatedVLLM, *, seed: int) -> InferenceInterface:
 
 class _Peer:
     """One end of a socket to another process: pickled messages out (under a lock: several threads
-    send), and a thread that hands every message it reads to `on_message` until the socket ends."""
+    send), and a thread that hands every message it reads to `on_message` until the socket ends, then
+    calls `on_end`."""
 
-    def __init__(self, connection: Connection, name: str, on_message: Callable[[Any], None]):
+    def __init__(
+        self,
+        connection: Connection,
+        name: str,
+        on_message: Callable[[Any], None],
+        on_end: Callable[[], None] = lambda: None,
+    ):
         self.connection = connection
         self.closing = False
         self._sending = threading.Lock()
         self._on_message = on_message
+        self._on_end = on_end
         self.ended = threading.Event()
         self.error: BaseException | None = None
         """Why the socket ended without a close from this side (None: it was closed here)."""
@@ -103,6 +111,7 @@ class _Peer:
                 self.error = exc
         finally:
             self.ended.set()
+            self._on_end()
 
     def close(self) -> None:
         self.closing = True
@@ -117,15 +126,15 @@ class _RemoteEngine:
         self._pending: dict[int, Future[list[InferenceResponse]]] = {}
         self._lock = threading.Lock()
         self._next_id = 0
-        self.peer = _Peer(connection, f"colocated-vllm-{rank}", self._answered)
-        threading.Thread(target=self._fail_when_ended, name=f"colocated-vllm-{rank}-end", daemon=True).start()
+        self.peer = _Peer(connection, f"colocated-vllm-{rank}", self._answered, self._fail_pending)
 
     def submit(self, request: InferenceRequest) -> Future[list[InferenceResponse]]:
         future: Future[list[InferenceResponse]] = Future()
         with self._lock:
             request_id, self._next_id = self._next_id, self._next_id + 1
             self._pending[request_id] = future
-        if not self.peer.send((request_id, request)):
+        # A socket that ended before the request was registered fails it here; after, `_fail_pending`.
+        if not self.peer.send((request_id, request)) or self.peer.ended.is_set():
             self._fail(request_id, self._lost())
         return future
 
@@ -146,8 +155,7 @@ class _RemoteEngine:
         if future is not None:
             future.set_exception(error)
 
-    def _fail_when_ended(self) -> None:
-        self.peer.ended.wait()
+    def _fail_pending(self) -> None:
         with self._lock:
             ids = list(self._pending)
         for request_id in ids:
