@@ -46,9 +46,9 @@ from llmrl.inference.interface import run_in_new_loop
 from llmrl.models import tiny_model_path
 from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.models.shape import ModelShape
+from llmrl.rollouts import prepare_batch
 from llmrl.trainer.memory import GB, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
-from llmrl.trainer.rollouts import prepare_batch
 from llmrl.trainer.trainer import _deterministic_algorithms
 from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup
 

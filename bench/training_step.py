@@ -29,8 +29,8 @@ import torch
 from llmrl.algorithms.packing import unit_tokens
 from llmrl.config import load_config
 from llmrl.inference import run_sync
+from llmrl.rollouts import prepare_batch
 from llmrl.trainer import Trainer
-from llmrl.trainer.rollouts import prepare_batch
 
 
 def best_of(repeats: int, fn) -> float:

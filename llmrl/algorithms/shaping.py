@@ -12,7 +12,7 @@ scaled by ``penalty`` (our generalisation; DAPO uses 1). Completions are nudged 
 the budget runs out instead of being punished by a cliff.
 
 *Overlong filtering* (DAPO section 3.4, ``algorithm.mask_truncated``) is not here: the trainer
-applies it when it builds the loss masks (`llmrl.trainer.rollouts`).
+applies it when it builds the loss masks (`llmrl.rollouts.batch`).
 """
 
 from __future__ import annotations

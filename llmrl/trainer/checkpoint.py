@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from llmrl.config import ConfigError, RunConfig
 from llmrl.files import move_into_place
-from llmrl.trainer.bank import BANK_FILE
+from llmrl.rollouts import BANK_FILE
 
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-"

@@ -298,3 +298,26 @@ class Distributed:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+class OneProcess:
+    """The processes of a run of one: `Distributed`'s collectives, each of which is then the identity, so
+    that the loop runs the same code whatever the number of processes."""
+
+    is_main = True
+    world_size = 1
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self, *, wait: bool = True) -> None:
+        pass

@@ -69,7 +69,7 @@ from llmrl.config import AlgorithmConfig, ConfigError, DistillationConfig, Train
 from llmrl.models.shape import ModelShape
 from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
-from llmrl.trainer.rollouts import RolloutBatch
+from llmrl.rollouts import RolloutBatch
 from llmrl.types import GenerationArgs
 
 

@@ -17,9 +17,9 @@ import torch
 
 from llmrl.config import RunConfig, dump_config
 from llmrl.files import atomic_write
+from llmrl.rollouts import RolloutBank
 from llmrl.telemetry import MetricsLogger, RolloutLog, Tracer, read_metrics, use_tracer
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.plots import plot_curves
 from llmrl.types import RolloutGroup
 

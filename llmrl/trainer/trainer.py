@@ -24,8 +24,9 @@ and the loop does not branch on them: the parts it builds once from the config k
 what their rank does. `llmrl.trainer.policy` loads the policy and its KL reference,
 `llmrl.trainer.weight_sync` serves the weights to inference, `llmrl.trainer.checkpointer` saves and
 restores, `llmrl.trainer.evaluator` evaluates and `llmrl.trainer.outputs` writes the run folder.
-What stays here is the order of things, and what only rank 0 has: the agents, the inference side
-and the rollout pipeline.
+`llmrl.rollouts` gives each step's rollout groups (`RolloutSource`: rank 0's pipeline, or on the
+other ranks what rank 0 broadcasts). What stays here is the order of things, and what only rank 0
+has: the agents and the inference side.
 """
 
 from __future__ import annotations
@@ -51,19 +52,17 @@ from llmrl.errors import UserError
 from llmrl.files import os_error_behind
 from llmrl.inference import InferenceInterface, build_inference
 from llmrl.registry import import_plugins
+from llmrl.rollouts import RolloutSource, prepare_batch, rollout_metrics, rollout_source, staleness_metrics
 from llmrl.seeding import derive_seed
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.bank import RolloutBank
 from llmrl.trainer.checkpointer import checkpointer_for
-from llmrl.trainer.distributed import Distributed
+from llmrl.trainer.distributed import Distributed, OneProcess
 from llmrl.trainer.evaluator import Evaluator
 from llmrl.trainer.memory import GB, PeakMemory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
 from llmrl.trainer.outputs import RunOutputs, SilentOutputs
-from llmrl.trainer.partial import PartialRolloutPipeline
 from llmrl.trainer.policy import load_policy, plan_training_memory
 from llmrl.trainer.progress import ProgressDisplay
-from llmrl.trainer.rollouts import RolloutPipeline, prepare_batch, rollout_metrics, staleness_metrics
 from llmrl.trainer.run_folder import RunFolderWriteError, RunLock, write_failure
 from llmrl.trainer.weight_sync import WeightSync, weights_source
 from llmrl.types import GenerationArgs, RolloutGroup
@@ -82,6 +81,9 @@ them with one line wherever they occur (`write_failure`)."""
 class Trainer:
     """Builds everything a config names, then `run()` trains and returns the summary."""
 
+    rollouts: RolloutSource
+    """This rank's source of each step's rollout groups (`llmrl.rollouts`), built last."""
+
     def __init__(self, config: RunConfig, *, resume: bool = False, progress_stream: Any = None):
         """
         Args:
@@ -96,8 +98,9 @@ class Trainer:
         import_plugins(config.plugins)
         transformers.utils.logging.disable_progress_bar()  # per-load and per-save bars would drown ours
         device = _device(config.training.device)
-        self.distributed = Distributed.from_env(device)  # None in one process
-        self.is_main = self.distributed is None or self.distributed.is_main
+        self.distributed = Distributed.from_env(device)  # None in one process: the parts built know the mode
+        self.processes = self.distributed or OneProcess()  # the loop's collectives, whatever the mode
+        self.is_main = self.processes.is_main
         self.inference: InferenceInterface | None = None  # rank 0's, or every process's colocated engine
         self.run_lock: RunLock | None = None  # rank 0's alone
         try:
@@ -106,8 +109,7 @@ class Trainer:
         except BaseException:
             self._close_inference()
             self._release_run_dir()
-            if self.distributed is not None:  # leave the process group before the interpreter exits
-                self.distributed.close(wait=False)
+            self.processes.close(wait=False)  # leave the process group before the interpreter exits
             raise
 
     def _hold_run_dir(self) -> RunLock | None:
@@ -119,8 +121,7 @@ class Trainer:
                 lock = RunLock(self.run_dir)
             except UserError as exc:
                 refusal = exc
-        if self.distributed is not None:
-            refusal = self.distributed.broadcast_object(refusal)
+        refusal = self.processes.broadcast_object(refusal)
         if refusal is not None:
             raise refusal
         return lock
@@ -181,7 +182,6 @@ class Trainer:
         self.evaluator = Evaluator(self.agents, config.evaluation, self.generation_args)
         self.outputs = RunOutputs(config) if self.is_main else SilentOutputs(config)
 
-        self.pipeline: RolloutPipeline | PartialRolloutPipeline | None = None
         self.step = 0
         self.seconds = 0.0  # training wall time over all sessions of this run
         if checkpoint:
@@ -192,6 +192,9 @@ class Trainer:
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
         self.weight_sync.sync(self.step, reset=True)
         self.resumed = checkpoint is not None
+        self.rollouts = rollout_source(
+            config, self.processes, self.agents, self.inference, self.generation_args
+        )
 
     def _agents(self) -> WeightedMultiTask:
         config = self.config
@@ -264,21 +267,18 @@ class Trainer:
                 if stop:
                     display.message(f"stopped after step {self.step}; running the same command again resumes")
                     raise KeyboardInterrupt
-                if self.pipeline is not None:
-                    self.pipeline.submit_ahead(self.step)  # the batches these weights are to generate
+                self.rollouts.submit_ahead(self.step)  # the batches these weights are to generate
             if self.evaluator.missing_at_end(self.step):  # e.g. steps: 0
                 self.outputs.log(self.step, self.evaluator.evaluate(self.step, self.inference))
                 self._save()
-            if self.distributed is not None:  # rank 0's last evaluation may use other processes' engines
-                self.distributed.barrier()
+            self.processes.barrier()  # rank 0's last evaluation may use other processes' engines
             return self._finish()
 
     def _start(self, stack: ExitStack) -> tuple[ProgressDisplay, Callable[[], bool]]:
         """What the run holds until it ends, onto `stack`; returns the progress display and the
         function that says whether a stop was asked for."""
         config, steps = self.config, self.config.training.steps
-        if self.distributed is not None:  # leaves the process group last, whatever happens
-            stack.push(self._leave_process_group)
+        stack.push(self._leave_process_group)  # last, whatever happens
         stack.callback(self._release_run_dir)  # once nothing writes the run folder any more
         stack.callback(self._close_inference)  # managed servers stop on every exit
         if config.training.deterministic:
@@ -298,70 +298,30 @@ class Trainer:
         if self.models.adapters is not None:
             display.message(self.models.adapters.summary())
         stop_requested = self._stop_requests(stack, display)
-        if self.is_main:
-            self.pipeline = stack.enter_context(contextlib.closing(self._pipeline()))
-            banked = self.pipeline.start(self.step)
-            if banked:
-                display.message(f"training first on {banked} batch(es) generated before the interruption")
+        stack.enter_context(contextlib.closing(self.rollouts))
+        banked = self.rollouts.start(self.step)
+        if banked:
+            display.message(f"training first on {banked} batch(es) generated before the interruption")
         return display, stop_requested
 
     def _leave_process_group(self, error_type: type[BaseException] | None, *_: Any) -> None:
         # After an error the other ranks may never get to a barrier: only a clean finish waits for them.
-        assert self.distributed is not None
-        self.distributed.close(wait=error_type is None)
+        self.processes.close(wait=error_type is None)
 
     def _stop_requests(self, stack: ExitStack, display: ProgressDisplay) -> Callable[[], bool]:
         """Whether a stop was asked for (Ctrl-C). Over several processes, a stop asked for on any rank
         (each sees its own Ctrl-C) is agreed on by all at the same step, so that they save and stop
         together; every Ctrl-C reaches a worker twice (from the terminal, then forwarded by torchrun)."""
-        distributed = self.distributed
+        processes = self.processes
         requested = stack.enter_context(
-            _stop_after_step_on_interrupt(display, second_stops_at_once=distributed is None)
+            _stop_after_step_on_interrupt(display, second_stops_at_once=processes.world_size == 1)
         )
-        if distributed is None:
-            return requested
-        return lambda: distributed.any(requested())
-
-    def _pipeline(self) -> RolloutPipeline | PartialRolloutPipeline:
-        training = self.config.training
-
-        def seeded(*keys: object) -> GenerationArgs:
-            """The rollouts' sampling options with a seed of their own, derived from `keys`."""
-            return self.generation_args.merge(
-                GenerationArgs(seed=derive_seed(self.generation_args.seed, *keys))
-            )
-
-        common: dict[str, Any] = dict(
-            num_groups=training.prompts_per_step,
-            group_size=training.group_size,
-            lag=training.generation_lag,
-            last_step=training.steps,
-            bank=RolloutBank(self.run_dir),
-            max_inference_failure_frac=training.max_inference_failure_frac,
-            max_user_failure_frac=training.max_user_failure_frac,
-        )
-        if training.partial_rollouts:
-            return PartialRolloutPipeline(
-                self.agents,
-                self.inference,
-                generation_args=lambda index: seeded("group", index),
-                max_staleness=training.max_staleness,
-                **common,
-            )
-        return RolloutPipeline(
-            self.agents,
-            self.inference,
-            generation_args=lambda step: seeded("step", step),
-            in_flight=self.config.inference.weight_update == "in_flight",
-            **common,
-        )
+        return lambda: processes.any(requested())
 
     def _train_step(self, step: int) -> dict[str, float]:
         training, tracer, started = self.config.training, self.outputs.tracer, time.perf_counter()
         with tracer.span("rollouts", step=step):  # waiting for generation + reward
-            groups = self.pipeline.get(step) if self.pipeline is not None else None
-            if self.distributed is not None:
-                groups = self.distributed.broadcast_object(groups)
+            groups = self.rollouts.get(step)
         batch, advantages = prepare_batch(
             groups,
             group_size=training.group_size,
@@ -377,14 +337,11 @@ class Trainer:
             _step_schedule(self.scheduler)
         with tracer.span("sync", step=step):
             # batches generating now must finish on the weights they started with (unless in flight)
-            if self.pipeline is not None:
-                self.pipeline.wait_ahead()
+            self.rollouts.wait_ahead()
             self.weight_sync.sync(step)
         step_seconds = time.perf_counter() - started
         self.seconds += step_seconds
-        peaks = [self.peak_memory.take()]
-        if self.distributed is not None:
-            peaks = self.distributed.all_gather_object(peaks[0])
+        peaks = self.processes.all_gather_object(self.peak_memory.take())
         self.outputs.log_rollouts(step, groups, advantages)
         if not self.is_main:  # the agents' counters are rank 0's, and so are the metrics
             return {}
@@ -410,8 +367,7 @@ class Trainer:
             groups, advantages, correct_threshold=self.config.evaluation.correct_threshold
         )
         metrics |= staleness_metrics(groups, trained_version=step - 1)
-        if self.pipeline is not None:
-            metrics |= self.pipeline.pop_metrics()
+        metrics |= self.rollouts.pop_metrics()
         # The loss's metrics go under train/; distillation's come named (distill/...).
         metrics |= {
             key if key.startswith("distill/") else f"train/{key}": value for key, value in update.items()
@@ -441,7 +397,7 @@ class Trainer:
             "step": self.step,
             "seconds": self.seconds,
             "evaluations": self.evaluator.evaluations,
-            "agents": self.pipeline.agent_state(self.step) if self.pipeline else self.agents.state_dict(),
+            "agents": self.rollouts.agent_state(self.step),
         }
 
     def _finish(self) -> dict[str, Any]:

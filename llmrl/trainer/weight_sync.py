@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 
 from llmrl.inference import InferenceInterface, InferenceUnavailableError
+from llmrl.rollouts import unavailable_line
 from llmrl.trainer.distributed import Distributed
 from llmrl.trainer.lora import Adapters
-from llmrl.trainer.rollouts import unavailable_line
 from llmrl.weights import AdapterWeights, FullWeights, Payload, PayloadKind, WeightTransport
 
 

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from llmrl.config import load_config
 from llmrl.inference import Health
+from llmrl.inference.interface import InferenceUnavailableError
+from llmrl.rollouts import RolloutBank
 from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
-from llmrl.trainer.bank import RolloutBank
-from llmrl.trainer.rollouts import InferenceUnavailableError
 
 pytestmark = pytest.mark.slow
 

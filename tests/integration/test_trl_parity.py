@@ -27,8 +27,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from trl import GRPOConfig, GRPOTrainer  # the dev extra installs it: without it this test must fail, not skip
 
 from llmrl.config import AlgorithmConfig, TrainingConfig
+from llmrl.rollouts import prepare_batch
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
-from llmrl.trainer.rollouts import prepare_batch
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 pytestmark = pytest.mark.slow

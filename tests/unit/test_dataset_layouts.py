@@ -15,7 +15,7 @@ from scripted_inference import ScriptedInference
 
 from llmrl import registry
 from llmrl.agents.dataset import DatasetAgent, load_rows
-from llmrl.trainer.rollouts import rollout_metrics
+from llmrl.rollouts import rollout_metrics
 from llmrl.types import ChatMessage, InferenceResponse
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "layouts"

@@ -18,10 +18,10 @@ from llmrl.algorithms.distillation import (
 from llmrl.algorithms.logprobs import token_logprobs_and_teacher_kl, token_top_k
 from llmrl.algorithms.packing import build_batch, unpack
 from llmrl.config import AlgorithmConfig, ConfigError, DistillationConfig, TrainingConfig, load_config
+from llmrl.rollouts import prepare_batch
 from llmrl.trainer import optimization
 from llmrl.trainer.optimization import PolicyUpdate
 from llmrl.trainer.policy import load_policy, tokenizer_mismatch
-from llmrl.trainer.rollouts import prepare_batch
 from llmrl.types import GenerationArgs, RolloutGroup
 from tests.unit.test_trainer_parts import assert_same_weights, random_groups, tiny_policy
 

@@ -8,8 +8,8 @@ import torch
 from llmrl import cli
 from llmrl.agents import WeightedMultiTask, placeholder_rollout
 from llmrl.inference import Health
-from llmrl.trainer.bank import RolloutBank
-from llmrl.trainer.rollouts import InferenceUnavailableError, RolloutPipeline, inference_failure
+from llmrl.inference.interface import InferenceUnavailableError
+from llmrl.rollouts import RolloutBank, RolloutPipeline, inference_failure
 from llmrl.trainer.weight_sync import PolicyWeights, WeightSync
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of

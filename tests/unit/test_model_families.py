@@ -43,8 +43,8 @@ from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.inference.decoder import LlamaFamilyDecoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.models import check_supported, load_model
+from llmrl.rollouts import prepare_batch
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
-from llmrl.trainer.rollouts import prepare_batch
 from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup, TokenRollout
 
 VOCAB = 256

@@ -21,7 +21,7 @@ from llmrl.agents.tool_parsers import ParsedToolCall, parse_hermes
 from llmrl.config import AlgorithmConfig
 from llmrl.inference.openai import InferenceServerError, UnsupportedServerError
 from llmrl.registry import import_plugins
-from llmrl.trainer.rollouts import prepare_batch
+from llmrl.rollouts import prepare_batch
 from llmrl.types import GenerationArgs, InferenceRequest, InferenceResponse
 
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "hermes_tool_template.jinja"

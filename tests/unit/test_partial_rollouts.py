@@ -10,9 +10,8 @@ import pytest
 
 from llmrl.agents import WeightedMultiTask
 from llmrl.config import ConfigError, load_config
-from llmrl.trainer.bank import RolloutBank
-from llmrl.trainer.partial import PartialRolloutPipeline
-from llmrl.trainer.rollouts import InferenceUnavailableError
+from llmrl.inference.interface import InferenceUnavailableError
+from llmrl.rollouts import PartialRolloutPipeline, RolloutBank
 from llmrl.types import GenerationArgs
 from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of
 

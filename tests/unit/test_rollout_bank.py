@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from llmrl.trainer.bank import BANK_FILE, BankedBatch, RolloutBank
+from llmrl.rollouts import BANK_FILE, BankedBatch, RolloutBank
 from llmrl.types import RolloutGroup, TokenRollout
 
 

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from llmrl.agents.trajectory import Trajectory
 from llmrl.config import InferenceConfig, load_config
 from llmrl.inference.vllm.compatibility import vllm_pause_mode
+from llmrl.rollouts import staleness_metrics
 from llmrl.telemetry import RolloutLog, read_jsonl
-from llmrl.trainer.rollouts import staleness_metrics
 from llmrl.types import GenerationArgs, InferenceResponse, RolloutGroup, TokenRollout
 
 

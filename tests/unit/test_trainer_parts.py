@@ -19,6 +19,7 @@ from llmrl.algorithms.packing import has_local_attention
 from llmrl.config import AlgorithmConfig, TrainingConfig
 from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.models.shape import ModelShape, tied_duplicates
+from llmrl.rollouts import RolloutBatch, prepare_batch, rollout_metrics
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens
 from llmrl.trainer.optimization import (
@@ -28,7 +29,6 @@ from llmrl.trainer.optimization import (
     fast_forward,
     sampling_params,
 )
-from llmrl.trainer.rollouts import RolloutBatch, prepare_batch, rollout_metrics
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 VOCAB = 48

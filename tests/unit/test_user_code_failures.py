@@ -19,8 +19,7 @@ from llmrl.agents.dataset import DatasetAgent
 from llmrl.agents.openai_agent import OpenAIAgent
 from llmrl.errors import UserCodeError
 from llmrl.registry import import_plugins
-from llmrl.trainer.bank import RolloutBank
-from llmrl.trainer.rollouts import RolloutPipeline, UserCodeFailures
+from llmrl.rollouts import RolloutBank, RolloutPipeline, UserCodeFailures
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of
 

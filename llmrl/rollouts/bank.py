@@ -14,7 +14,7 @@ before the crash, possibly on older weights when generation runs ahead) are trai
 ones are generated, each exactly once. A checkpoint compacts the bank to the batches it has not
 trained on yet.
 
-With partial rollouts (`llmrl.trainer.partial`) groups are generated one at a time and batches are
+With partial rollouts (`llmrl.rollouts.partial`) groups are generated one at a time and batches are
 made of whichever complete first, so the bank records groups, not batches:
 
     {"launch": [40, 41], "pending": [40, 41],          groups 40 and 41 started together, from the

@@ -1,6 +1,6 @@
 """Partial rollouts: groups generated continuously, one at a time, batches made of whichever complete first.
 
-`PartialRolloutPipeline` stands in for `llmrl.trainer.rollouts.RolloutPipeline` when
+`PartialRolloutPipeline` stands in for `llmrl.rollouts.synchronous.RolloutPipeline` when
 `training.partial_rollouts` is on (with a lag). A worker thread keeps up to ``(lag + 1) *
 num_groups`` groups generating, complete or in the step training now, and launches new groups as
 soon as a step's new weights serve (as `RolloutPipeline` submits a batch), so that a group that
@@ -22,7 +22,7 @@ The engine never runs dry between steps, so with ``inference.weight_update: in_f
 lands in the middle of running sequences, which go on with the new weights.
 
 Which groups a batch takes depends on timing, so such a run is not bitwise repeatable. The rollout
-bank records every launch, complete group and batch (`llmrl.trainer.bank`); a resumed run trains the
+bank records every launch, complete group and batch (`llmrl.rollouts.bank`); a resumed run trains the
 recorded batches of later steps as they were, puts complete groups no batch took back in the pool,
 and generates again the groups that were still running (`rollout/regenerated_after_interruption`):
 it loads the agents' state from before their launch, starts the whole launch again so that every
@@ -39,58 +39,31 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from llmrl.agents.base import failed_in_inference
-from llmrl.agents.multi_task import WeightedMultiTask
-from llmrl.inference.interface import InferenceInterface, run_in_new_loop
-from llmrl.trainer.bank import Launch, RolloutBank
-from llmrl.trainer.rollouts import BatchChecks
-from llmrl.types import GenerationArgs, RolloutGroup
+from llmrl.inference.interface import run_in_new_loop
+from llmrl.rollouts.bank import Launch
+from llmrl.rollouts.source import AgentPipeline, AgentState
+from llmrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
 
-AgentState = dict[str, Any]
 
-
-class PartialRolloutPipeline:
+class PartialRolloutPipeline(AgentPipeline):
     """Continuous generation of groups for training steps up to `last_step` (see the module docstring)."""
 
-    def __init__(
-        self,
-        agents: WeightedMultiTask,
-        inference: InferenceInterface,
-        *,
-        num_groups: int,
-        group_size: int,
-        generation_args: Callable[[int], GenerationArgs],
-        lag: int,
-        last_step: int,
-        bank: RolloutBank,
-        max_staleness: int | None = None,
-        max_inference_failure_frac: float | None = None,
-        max_user_failure_frac: float | None = None,
-    ):
-        """
-        Args:
-            generation_args: the sampling options of group k (its seed derived from k).
-            lag: generation runs up to `lag` batches ahead: ``(lag + 1) * num_groups`` groups at once.
-            max_staleness: most versions a trained group's oldest token may be behind the policy
-                that trains on it (None: no bound).
-        """
-        self.agents = agents
-        self.inference = inference
-        self.num_groups = num_groups
-        self.group_size = group_size
-        self.generation_args = generation_args
-        self.capacity = (lag + 1) * num_groups
-        self.last_step = last_step
-        self.bank = bank
+    thread_name = "llmrl-partial-rollouts"
+
+    def __init__(self, *args: Any, max_staleness: int | None = None, **kwargs: Any):
+        """Takes `AgentPipeline`'s arguments (with `lag`, up to ``(lag + 1) * num_groups`` groups generate
+        at once; `generation_args(k)` are those of group k, its seed derived from k), and `max_staleness`:
+        the most versions a trained group's oldest token may be behind the policy that trains on it (None:
+        no bound)."""
+        super().__init__(*args, **kwargs)
+        self.capacity = (self.lag + 1) * self.num_groups
         self.max_staleness = max_staleness
-        self.checks = BatchChecks(inference, max_inference_failure_frac, max_user_failure_frac)
-        self._slots = agents.slots(num_groups)
+        self._slots = self.agents.slots(self.num_groups)
         self._condition = threading.Condition()
         # Guarded by _condition:
         self._running: set[int] = set()
@@ -109,7 +82,6 @@ class PartialRolloutPipeline:
         # Set once the worker runs:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-partial-rollouts")
 
     # -- the trainer's side ----------------------------------------------------------------------
 
@@ -207,7 +179,7 @@ class PartialRolloutPipeline:
             self._closed = True
             self._condition.notify_all()
         self._wake_worker()
-        self._worker.shutdown(wait=True)
+        super().close()
 
     def _regenerate_stale(self, step: int) -> None:
         """Condition held: the complete groups too old for the batch of `step` (trained on the weights of
