@@ -82,7 +82,7 @@ class Trainer:
     """Builds everything a config names, then `run()` trains and returns the summary."""
 
     rollouts: RolloutSource
-    """This rank's source of each step's rollout groups (`llmrl.rollouts`), built last."""
+    """This rank's source of each step's rollout groups (`llmrl.rollouts`), from the start of `run`."""
 
     def __init__(self, config: RunConfig, *, resume: bool = False, progress_stream: Any = None):
         """
@@ -192,9 +192,6 @@ class Trainer:
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
         self.weight_sync.sync(self.step, reset=True)
         self.resumed = checkpoint is not None
-        self.rollouts = rollout_source(
-            config, self.processes, self.agents, self.inference, self.generation_args
-        )
 
     def _agents(self) -> WeightedMultiTask:
         config = self.config
@@ -298,7 +295,11 @@ class Trainer:
         if self.models.adapters is not None:
             display.message(self.models.adapters.summary())
         stop_requested = self._stop_requests(stack, display)
-        stack.enter_context(contextlib.closing(self.rollouts))
+        self.rollouts = stack.enter_context(
+            contextlib.closing(
+                rollout_source(config, self.processes, self.agents, self.inference, self.generation_args)
+            )
+        )
         banked = self.rollouts.start(self.step)
         if banked:
             display.message(f"training first on {banked} batch(es) generated before the interruption")
