@@ -1,4 +1,4 @@
-"""Inference interfaces: the embedded engine (`local`) and HTTP clients, built from config by name."""
+"""Inference interfaces, one per backend, built from config by `build_inference`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,19 @@ __all__ = ["Health", "InferenceInterface", "InferenceUnavailableError", "build_i
 def build_inference(
     config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: str | Path | None = None
 ) -> InferenceInterface:
-    """The interface named by `config.type`, built by its class's `from_config` (managed vLLM
-    servers log to the run folder)."""
+    """The interface `config` describes, serving `model`: vLLM's engine in this process with
+    ``inference.vllm.mode: colocate`` (`ColocatedVLLM`; under torchrun one in every process, rank 0's
+    interface reaching them all: `ColocatedRanks`); otherwise the class registered as `config.type`,
+    built by its `from_config`: the embedded engine (`local`), an OpenAI-compatible server or llmrl's
+    own (`openai`), vLLM servers llmrl starts or you run (`vllm`), or a plug-in. Managed vLLM servers
+    and a colocated engine write to the run folder."""
+    run_dir = Path(run_dir) if run_dir is not None else None
+    if config.type == "vllm" and config.vllm.mode == "colocate":
+        from llmrl.inference.vllm.colocated import ColocatedVLLM
+        from llmrl.inference.vllm.ranks import across_processes
+
+        return across_processes(
+            ColocatedVLLM.from_config(config, model, seed=seed, run_dir=run_dir), seed=seed
+        )
     cls = get_inference_class(config.type)
-    return cls.from_config(config, model, seed=seed, run_dir=Path(run_dir) if run_dir is not None else None)
+    return cls.from_config(config, model, seed=seed, run_dir=run_dir)

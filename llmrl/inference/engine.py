@@ -3,8 +3,8 @@
 docs/engine.md explains the design and its measurements; in short:
 
 * **Continuous batching.** `agenerate` calls from any thread or event loop queue requests; one batch
-  is stepped by a task on a caller's event loop (a thread only as a fallback: "driving the batch"
-  below). Between decode steps finished sequences leave and waiting requests join, first come first
+  is stepped by a task on a caller's event loop (a thread only as a fallback: the primitives
+  below, and `llmrl.inference.driver`, which holds the queue and the work between steps). Between decode steps finished sequences leave and waiting requests join, first come first
   served, within ``max_concurrent`` rows and ``max_batch_tokens`` of KV cache (each prompt once plus
   the generated tokens); a request is admitted whole, alone if it must. Running sequences are never
   preempted. When the batch is full, queued requests join in bunches (``ADMIT_AT_LEAST``, or after
@@ -50,7 +50,8 @@ from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
-from llmrl.inference.interface import Health, InferenceInterface, run_sync, running_loop
+from llmrl.inference.driver import EngineSteps, RequestDriver, WeightUpdateMode
+from llmrl.inference.interface import Health, InferenceInterface, run_sync
 from llmrl.inference.kv_cache import list_tensor
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.inference.sampling import (
@@ -64,17 +65,6 @@ from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_re
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightTransport, WeightUpdate, in_process_transports, transport_for
-
-WeightUpdateMode = Literal["wait", "abort", "in_flight"]
-
-
-@dataclass(eq=False)
-class _Driver:
-    """Whoever steps the batch: a task on an event loop (`loop` set) or a fallback thread."""
-
-    loop: asyncio.AbstractEventLoop | None = None
-    task: asyncio.Task | None = None
-    thread: threading.Thread | None = None
 
 
 @dataclass
@@ -150,7 +140,6 @@ class LocalEngine(InferenceInterface):
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
         self.max_concurrent = max_concurrent
-        self.weight_update: WeightUpdateMode = weight_update
         self.stats = EngineStats()
         self._device = next(model.parameters()).device
         # Built before the decoder releases any of the model's tensors: updates are checked against them all.
@@ -161,13 +150,24 @@ class LocalEngine(InferenceInterface):
         )
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
         self._seeds = random.Random(seed)
+        self._seeding = threading.Lock()  # random.Random is not safe to share between threads
         self._version = policy_version
-
-        self._lock = threading.Lock()  # guards the queue, the update list and the driver
-        self._waiting: deque[PendingRequest] = deque()
-        self._updates: list[WeightUpdate] = []
-        self._driver: _Driver | None = None
-        # Owned by the driver:
+        self._stepped_version = policy_version  # the running rows' version at the last step
+        self._requests = RequestDriver(
+            EngineSteps(
+                running=lambda: bool(self._running),
+                admit=self._admit,
+                drop_cancelled=self._drop_cancelled,
+                step=self._step,
+                abort_running=self._abort_running,
+                fail_running=self._fail_batch,
+                release=self._release,
+            ),
+            name="the embedded engine",
+            thread_name="llmrl-engine",
+            weight_update=weight_update,
+        )
+        # Owned by whoever steps the batch (`RequestDriver`):
         self._running: list[RunningSequence] = []  # in the decoder's row order
         self._rows: RowSampling | None = None  # sampling tensors of `_running`; None when stale
         self._draws: list[Callable[[], float]] = []  # each row's uniform draw, rebuilt with `_rows`
@@ -209,6 +209,15 @@ class LocalEngine(InferenceInterface):
         )
 
     @property
+    def weight_update(self) -> WeightUpdateMode:
+        """What `update_weights` does with running sequences (``wait``, ``abort``, ``in_flight``)."""
+        return self._requests.weight_update
+
+    @weight_update.setter
+    def weight_update(self, mode: WeightUpdateMode) -> None:
+        self._requests.weight_update = mode
+
+    @property
     def policy_version(self) -> int:
         """Version of the weights new requests are served with."""
         return self._version
@@ -230,12 +239,7 @@ class LocalEngine(InferenceInterface):
     async def agenerate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
         """Sample `request.n` completions of one prompt (batched with every other request in flight)."""
         prepared = self._prepare(request)
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            self._waiting.append(prepared)
-            if self._driver is None:  # nobody steps the batch: this event loop will
-                self._driver = driver = _Driver(loop)
-                driver.task = loop.create_task(self._drive_in_loop(driver))
+        self._requests.submit(prepared)  # nobody steps the batch: this event loop will
         # Cancelling this coroutine cancels the future; the driver then drops the request's rows.
         return await asyncio.wrap_future(prepared.future)
 
@@ -260,20 +264,8 @@ class LocalEngine(InferenceInterface):
         return transport_for(self._transports, kind, "the embedded engine")
 
     def _apply_update(self, update: WeightUpdate) -> None:
-        """Queue `update` for the thread that steps the batch (or apply it now) and wait for it."""
-        with self._lock:
-            self._updates.append(update)
-            driver = self._driver
-            if driver is None:  # nothing is running: apply now, holding the lock so no step starts
-                self._apply_updates()
-        if driver is not None and driver.loop is not None and driver.loop is running_loop():
-            # Called from a coroutine of the loop that steps the batch: that loop is blocked here,
-            # so step it from here until the update is applied.
-            while not update.done.is_set() and self._iterate(driver):
-                pass
-        update.done.wait()
-        if update.error is not None:
-            raise update.error
+        """Load `update` between two steps (now, when nothing runs) and wait for it."""
+        self._requests.between_steps(lambda: self._load(update))
 
     # -- request preparation (caller's thread) ----------------------------------------------------
 
@@ -286,7 +278,7 @@ class LocalEngine(InferenceInterface):
         prompt_ids = prompt_token_ids(
             self.tokenizer, request, context=self._decoder.max_positions, vocab_size=self._decoder.vocab_size
         )
-        with self._lock:  # random.Random is not safe to share between threads
+        with self._seeding:
             seed = args.seed if args.seed is not None else self._seeds.getrandbits(63)
         future = Future()
         future.add_done_callback(self._note_cancellation)
@@ -304,7 +296,7 @@ class LocalEngine(InferenceInterface):
         if future.cancelled():
             self._cancellations = True
 
-    # -- driving the batch -----------------------------------------------------------------------
+    # -- the primitives the batch is driven with (`RequestDriver`) --------------------------------
     #
     # The batch is stepped by the event loop of the first `agenerate` caller, as a task that runs
     # one step, yields, and ends when there is no work left (the next request starts a new one).
@@ -316,91 +308,48 @@ class LocalEngine(InferenceInterface):
     # A thread is only the fallback when that loop closes with work left for other callers
     # (`generate` from several threads, each in its own `asyncio.run`).
 
-    async def _drive_in_loop(self, driver: _Driver) -> None:
-        try:
-            while self._iterate(driver):
-                await asyncio.sleep(0)  # let agents run (and submit) between steps
-        except asyncio.CancelledError:
-            # The loop is shutting down: hand the remaining work to a thread.
-            with self._lock:
-                if self._driver is driver:
-                    self._driver = None
-                    if self._waiting or self._running or self._updates:
-                        self._start_thread_driver()
-            raise
-
-    def _start_thread_driver(self) -> None:
-        """Lock held. Not a daemon: at exit Python waits for it (it ends once idle), rather than
-        killing it inside a torch kernel."""
-        self._driver = driver = _Driver()
-        driver.thread = threading.Thread(target=self._drive_in_thread, args=(driver,), name="llmrl-engine")
-        driver.thread.start()
-
-    def _drive_in_thread(self, driver: _Driver) -> None:
-        while self._iterate(driver):
-            pass
-
-    def _iterate(self, driver: _Driver) -> bool:
-        """One scheduling round and step; False once `driver` has nothing left to do (or was replaced)."""
-        admitted: list[PendingRequest] | None = []
-        try:
-            with torch.inference_mode():
-                with self._lock:
-                    if self._driver is not driver:
-                        return False
-                    admitted = self._schedule()
-                    if admitted is None:
-                        self._driver = None
-                        self._decoder.reset()  # an empty batch (on GPU the KV cache is freed while idle)
-                        return False
-                self._step(admitted)
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the engine
-            self._fail_batch(admitted or [], exc)
-        return True
-
-    def _schedule(self) -> list[PendingRequest] | None:
-        """Between steps (lock held): drop cancelled rows, apply weight updates, admit requests.
-
-        Returns the requests to prefill this step, or None when there is nothing to do.
-        """
-        # Rows are looked at only after a cancellation (`_note_cancellation`): `Future.cancelled`
-        # takes a lock, and a step has up to `max_concurrent` requests. Cleared before the scan,
-        # so a cancellation during it is seen next step.
+    def _drop_cancelled(self) -> None:
+        """Rows are looked at only after a cancellation (`_note_cancellation`): `Future.cancelled` takes
+        a lock, and a step has up to `max_concurrent` requests. Cleared before the scan, so a
+        cancellation during it is seen next step."""
         if self._cancellations:
             self._cancellations = False
             cancelled = [row for row, seq in enumerate(self._running) if seq.request.future.cancelled()]
             if cancelled:
-                self._remove_rows(cancelled)
-        if self._updates and (not self._running or self.weight_update != "wait"):
-            if self._running and self.weight_update == "abort":
-                for seq in self._running:
-                    seq.finish_reason = "abort"
-                self._remove_rows(list(range(len(self._running))))
-            self._apply_updates()
+                with torch.inference_mode():
+                    self._remove_rows(cancelled)
+
+    def _abort_running(self) -> None:
+        for seq in self._running:
+            seq.finish_reason = "abort"
+        with torch.inference_mode():
+            self._remove_rows(list(range(len(self._running))))
+
+    def _admit(self, waiting: deque[PendingRequest]) -> list[PendingRequest]:
+        """The waiting requests that fit the batch, first come first served (`_defer_admission`)."""
         admitted: list[PendingRequest] = []
-        if not self._updates and self._waiting:
-            rows, tokens = len(self._running), self._cache_tokens()
-            while self._waiting:
-                request = self._waiting[0]
-                if request.future.cancelled():
-                    self._waiting.popleft()
-                    continue
-                rows += request.n
-                tokens += len(request.prompt_ids) + request.n
-                if (self._running or admitted) and (
-                    rows > self.max_concurrent or tokens > self.max_batch_tokens
-                ):
-                    break
-                admitted.append(self._waiting.popleft())
-            if admitted and self._defer_admission(admitted):
-                self._waiting.extendleft(reversed(admitted))
-                admitted = []
-        if not self._running and not admitted:
-            assert not self._waiting and not self._updates
-            return None
+        rows, tokens = len(self._running), self._cache_tokens()
+        while waiting:
+            request = waiting[0]
+            if request.future.cancelled():
+                waiting.popleft()
+                continue
+            rows += request.n
+            tokens += len(request.prompt_ids) + request.n
+            if (self._running or admitted) and (rows > self.max_concurrent or tokens > self.max_batch_tokens):
+                break
+            admitted.append(waiting.popleft())
+        if admitted and self._defer_admission(admitted, waiting):
+            waiting.extendleft(reversed(admitted))
+            return []
         return admitted
 
-    def _defer_admission(self, admissible: list[PendingRequest]) -> bool:
+    def _release(self) -> None:
+        """An empty batch: on GPU the KV cache is freed while idle."""
+        with torch.inference_mode():
+            self._decoder.reset()
+
+    def _defer_admission(self, admissible: list[PendingRequest], waiting: deque[PendingRequest]) -> bool:
         """Whether `admissible` (the waiting requests that fit now) should wait for more room.
 
         A prefill of a few prompts costs about as much as a decode step of the whole batch, so
@@ -409,7 +358,7 @@ class LocalEngine(InferenceInterface):
         that do wait until they bring `ADMIT_AT_LEAST` of `max_concurrent` rows, or for at most
         `ADMISSION_WAIT` steps.
         """
-        queue_fits = not self._waiting
+        queue_fits = not waiting
         rows = sum(r.n for r in admissible)
         if (
             not self._running
@@ -427,25 +376,25 @@ class LocalEngine(InferenceInterface):
         prompts = sum(len(r.prompt_ids) for r in {seq.request for seq in self._running})
         return prompts + sum(len(seq.tokens) for seq in self._running)
 
-    def _apply_updates(self) -> None:
-        before = self._version
-        for update in self._updates:
-            try:
-                with torch.inference_mode(False):
-                    load = self._decoder.merge_deltas if update.merge else self._decoder.load_state_dict
-                    for bucket in update.buckets:
-                        load(bucket)
-                self._version = update.version
-            except Exception as exc:  # noqa: BLE001 - reported to the caller of update_weights
-                update.error = exc
-            update.done.set()
-        self._updates = []
-        if self._version > before:  # in flight: the running rows' next tokens are the new version's
-            for seq in self._running:
-                seq.version_changes.append((len(seq.tokens), self._version))
+    def _load(self, update: WeightUpdate) -> None:
+        with torch.inference_mode(False):
+            load = self._decoder.merge_deltas if update.merge else self._decoder.load_state_dict
+            for bucket in update.buckets:
+                load(bucket)
+        self._version = update.version
 
     def _step(self, admitted: list[PendingRequest]) -> None:
         """One engine iteration: decode the running rows, prefill the admitted requests, sample all."""
+        with torch.inference_mode():
+            self._sample_next(admitted)
+
+    def _sample_next(self, admitted: list[PendingRequest]) -> None:
+        if (
+            self._version > self._stepped_version
+        ):  # loaded in flight: the rows' next tokens are the new version's
+            for seq in self._running:
+                seq.version_changes.append((len(seq.tokens), self._version))
+        self._stepped_version = self._version
         logits = []
         if self._running:
             self.stats.decode_tokens += len(self._running)

@@ -37,10 +37,11 @@ import httpx
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
+from llmrl.inference.completions import parse_finish_reason
 from llmrl.inference.interface import Health, InferenceInterface, Reachability, run_blocking, run_sync
 from llmrl.inference.prompts import request_prompt_ids
 from llmrl.seeding import derive_seed
-from llmrl.types import FinishReason, InferenceRequest, InferenceResponse
+from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightSyncError, WeightTransport, transport_for
 from llmrl.weights.llmrl_server import LlmrlServerTransport
 
@@ -425,8 +426,3 @@ def _missing(field: str, what: str) -> UnsupportedServerError:
         "inference server, vLLM >= 0.10.2 or SGLang (they return it when asked with return_token_ids and "
         "logprobs)"
     )
-
-
-def parse_finish_reason(reason: Any) -> FinishReason:
-    """A server's finish reason as llmrl's: `length` and `abort` as they are, anything else `stop`."""
-    return reason if reason in ("length", "abort") else "stop"

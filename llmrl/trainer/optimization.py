@@ -67,9 +67,9 @@ from llmrl.algorithms.packing import (
 )
 from llmrl.config import AlgorithmConfig, ConfigError, DistillationConfig, TrainingConfig
 from llmrl.models.shape import ModelShape
+from llmrl.rollouts import RolloutBatch
 from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
-from llmrl.rollouts import RolloutBatch
 from llmrl.types import GenerationArgs
 
 

@@ -770,7 +770,7 @@ def test_queued_requests_join_a_full_batch_in_bunches(qwen2, tokenizer, monkeypa
     prefill = engine._decoder.prefill
 
     def recording_prefill(prompts, *args):
-        admissions.append((len(prompts), len(engine._waiting), engine.stats.steps))
+        admissions.append((len(prompts), engine._requests.queued, engine.stats.steps))
         return prefill(prompts, *args)
 
     monkeypatch.setattr(engine._decoder, "prefill", recording_prefill)
@@ -821,9 +821,9 @@ def test_cancelled_request_leaves_the_batch(qwen2, tokenizer):
     other = asyncio.run(scenario())
     assert len(other.token_ids) == 10
     deadline = time.monotonic() + 5
-    while engine._driver is not None and time.monotonic() < deadline:  # the driver ends once idle
+    while engine._requests.stepping and time.monotonic() < deadline:  # the driver ends once idle
         time.sleep(0.01)
-    assert engine._driver is None and engine.stats.completion_tokens < 150
+    assert not engine._requests.stepping and engine.stats.completion_tokens < 150
 
 
 def test_sync_generate_from_threads(qwen2, tokenizer):

@@ -33,9 +33,7 @@ from llmrl.inference.openai import (
     api_key_from_env,
 )
 from llmrl.inference.vllm.adapters import AdapterTransport
-from llmrl.inference.vllm.colocated import ColocatedVLLM
 from llmrl.inference.vllm.compatibility import check_trainable, vllm_pause_mode
-from llmrl.inference.vllm.ranks import across_processes
 from llmrl.inference.vllm.routes import ControlSettings, VLLMRoutes
 from llmrl.inference.vllm.server import VLLMServer, start_servers, temporary_folder
 from llmrl.inference.vllm.transports import BroadcastTransport, BucketTransport, Recover, VLLMTransport
@@ -60,6 +58,60 @@ class Endpoint:
     served: int = 0  # requests answered
     restarts: int = 0
     restart_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def of(cls, url: str, settings: ControlSettings, server: VLLMServer | None, **client: Any) -> Endpoint:
+        """The server at `url`: a generation client (`client`: its options) and its control routes,
+        which tell one reachability how each request went."""
+        root, reachability = url.rstrip("/").removesuffix("/v1"), Reachability()
+        routes = VLLMRoutes(root, settings, reachability)
+        return cls(root, OpenAIInterface(url, **client), routes, reachability, server=server)
+
+    def recover(
+        self,
+        index: int,
+        transport: VLLMTransport[Any, Any],
+        max_restarts: int,
+        why: str,
+        give: Callable[[], str] | None,
+    ) -> bool:
+        """Make this managed server (`index` of the `transport`'s), which failed, serve again: restart
+        it when it no longer answers, then `give` it what it failed to take (a sync; a healthy server
+        is given it again) or, after a restart without one, the last good weights
+        (`VLLMTransport.restore`). Returns whether it serves (False for external servers and spent
+        restarts)."""
+        server = self.server
+        if server is None:
+            return False
+        with self.restart_lock, transport.held(index):
+            restart = not (server.alive() and run_blocking(self.routes.healthy()))
+            if restart and self.restarts >= max_restarts:
+                return False
+            # A healthy server after a failed request: another request restarted it meanwhile, or
+            # the failure passed. Nothing to give it unless a sync failed.
+            if restart:
+                state = server.exit_description()
+                self.restarts += 1
+                server.stop()
+                server.start()
+                transport.forget(index)
+            given = give() if give is not None else transport.restore(index) if restart else ""
+            if restart:
+                log.warning(
+                    "vLLM server %d at %s restarted (restart %d of %d): %s, %s; given %s",
+                    index,
+                    self.url,
+                    self.restarts,
+                    max_restarts,
+                    why,
+                    state,
+                    given,
+                )
+            return True
+
+    def check(self, config: VLLMConfig, lora_rank: int | None) -> None:
+        """Whether the server can be trained from (`IncompatibleServerError` if not); read its manifest."""
+        self.manifest = run_blocking(check_trainable(self.routes, config, lora_rank)).get("manifest") or {}
 
 
 class VLLMInterface(InferenceInterface):
@@ -110,39 +162,34 @@ class VLLMInterface(InferenceInterface):
         self.config = config
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
-        # A managed server's failed request is retried once it has been restarted: no retries
-        # (and no warning each) before that.
-        retries = 0 if servers else 1
         settings = ControlSettings(
             config.control_timeout_s, weight_sync_timeout_s, pause_mode, api_key, transport
         )
-        self._endpoints = []
-        for i, url in enumerate(base_urls):
-            root, reachability = url.rstrip("/").removesuffix("/v1"), Reachability()
-            client = OpenAIInterface(
+        self._endpoints = [
+            Endpoint.of(
                 url,
+                settings,
+                servers[i] if servers else None,
                 api_key=api_key,
                 timeout_s=request_timeout_s,
                 max_concurrent=max_concurrent,
-                max_retries=retries,
+                # A managed server's failed request is retried once it has been restarted: no retries
+                # (and no warning each) before that.
+                max_retries=0 if servers else 1,
                 transport=transport,
                 tokenizer=tokenizer,
             )
-            routes = VLLMRoutes(root, settings, reachability)
-            self._endpoints.append(
-                Endpoint(root, client, routes, reachability, server=servers[i] if servers else None)
-            )
+            for i, url in enumerate(base_urls)
+        ]
         try:
             for endpoint in self._endpoints:
-                facts = run_blocking(check_trainable(endpoint.routes, config, lora_rank))
-                endpoint.manifest = facts.get("manifest") or {}
+                endpoint.check(config, lora_rank)
         except BaseException:
             self.close()
             raise
         self.transport = vllm_transport(
             config,
-            [e.routes for e in self._endpoints],
-            [e.manifest for e in self._endpoints],
+            self._endpoints,
             self._recover,
             lora=lora_rank is not None,
             bucket_bytes=bucket_mb << 20,
@@ -153,14 +200,10 @@ class VLLMInterface(InferenceInterface):
     @classmethod
     def from_config(
         cls, config: InferenceConfig, model: ModelConfig, *, seed: int, run_dir: Path | None = None
-    ) -> InferenceInterface:
+    ) -> VLLMInterface:
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
-        logging to ``run_dir/vllm/`` (a temporary folder without a run); with ``vllm.mode: colocate``,
-        an engine in this process (`ColocatedVLLM`; under torchrun, one in every process)."""
+        logging to ``run_dir/vllm/`` (a temporary folder without a run)."""
         vllm = config.vllm
-        if vllm.mode == "colocate":
-            local = ColocatedVLLM.from_config(config, model, seed=seed, run_dir=run_dir)
-            return across_processes(local, seed=seed)
         lora_rank = model.lora.rank if model.lora is not None else None
         common = dict(
             config=vllm,
@@ -263,39 +306,8 @@ class VLLMInterface(InferenceInterface):
     # -- recovery --------------------------------------------------------------------------------
 
     def _recover(self, index: int, why: str, give: Callable[[], str] | None = None) -> bool:
-        """Make managed server `index`, which failed, serve again: restart it when it no longer
-        answers, then `give` it what it failed to take (a sync; a healthy server is given it again)
-        or, after a restart without one, the last good weights (`VLLMTransport.restore`). Returns
-        whether it serves (False for external servers and spent restarts)."""
-        endpoint = self._endpoints[index]
-        server = endpoint.server
-        if server is None:
-            return False
-        with endpoint.restart_lock, self.transport.held(index):
-            restart = not (server.alive() and run_blocking(endpoint.routes.healthy()))
-            if restart and endpoint.restarts >= self.config.max_restarts:
-                return False
-            # A healthy server after a failed request: another request restarted it meanwhile, or
-            # the failure passed. Nothing to give it unless a sync failed.
-            if restart:
-                state = server.exit_description()
-                endpoint.restarts += 1
-                server.stop()
-                server.start()
-                self.transport.forget(index)
-            given = give() if give is not None else self.transport.restore(index) if restart else ""
-            if restart:
-                log.warning(
-                    "vLLM server %d at %s restarted (restart %d of %d): %s, %s; given %s",
-                    index,
-                    endpoint.url,
-                    endpoint.restarts,
-                    self.config.max_restarts,
-                    why,
-                    state,
-                    given,
-                )
-            return True
+        """Make server `index`, which failed, serve again (`Endpoint.recover`)."""
+        return self._endpoints[index].recover(index, self.transport, self.config.max_restarts, why, give)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -322,8 +334,7 @@ class VLLMInterface(InferenceInterface):
 
 def vllm_transport(
     config: VLLMConfig,
-    routes: list[VLLMRoutes],
-    manifests: list[Manifest],
+    endpoints: list[Endpoint],
     recover: Recover,
     *,
     lora: bool,
@@ -332,6 +343,7 @@ def vllm_transport(
     transfer_timeout_s: float,
 ) -> VLLMTransport[Any, Any]:
     """The one transport a run's config and payload kind (`lora`) name."""
+    routes, manifests = [e.routes for e in endpoints], [e.manifest for e in endpoints]
     if lora:
         return AdapterTransport(routes, manifests, recover, folder=weights_dir)
     if config.transport == "nccl":

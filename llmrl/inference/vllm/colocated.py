@@ -1,12 +1,12 @@
 """ColocatedVLLM: vLLM's engine inside the trainer's process (`inference.vllm.mode: colocate`).
 
 The engine is vLLM's `LLMEngine` with its core in this process (no engine process, no HTTP): one
-thread, the driver, owns it and does everything that touches it, in order: it admits the requests
-that `agenerate` queues (each rendered into token ids here, as the embedded engine renders it, so
-vLLM never tokenises a conversation again), steps the engine while any run, and answers each
-request when vLLM finishes it. A weight sync is a job for the same thread, between two steps:
-``inference.weight_update: wait`` first lets running requests finish on the old weights (new ones wait),
-``abort`` ends them at once (``finish_reason: abort``). The sync itself hands the trainer's tensors
+thread, the driver's (`llmrl.inference.driver`, as the embedded engine's), owns it and does everything
+that touches it, in order: it admits the requests that `agenerate` queues (each rendered into token ids
+here, as the embedded engine renders it, so vLLM never tokenises a conversation again), steps the
+engine while any run, and answers each request when vLLM finishes it. A weight sync is work for the
+same thread, between two steps: ``inference.weight_update: wait`` first lets running requests finish on
+the old weights (new ones wait), ``abort`` ends them at once (``finish_reason: abort``). The sync itself hands the trainer's tensors
 to llmrl's transfer backend inside vLLM's worker through vLLM's own weight-update calls, which in
 this process pass Python objects by reference: the backend checks every tensor (name, shape, finite
 values) and copies it into vLLM's weights only once the whole update has arrived and passed.
@@ -25,18 +25,18 @@ import logging
 import os
 import random
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig, VLLMConfig
+from llmrl.inference.completions import parse_finish_reason
+from llmrl.inference.driver import EngineSteps, RequestDriver, settle
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
-from llmrl.inference.openai import parse_finish_reason
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.inference.vllm.compatibility import vllm_pause_mode
 from llmrl.models.shape import tied_duplicates
@@ -65,15 +65,6 @@ class _Request:
     prompt_ids: list[int]
     future: Future[list[InferenceResponse]]
     version: int = 0  # of the weights it runs on, set when it is admitted
-
-
-@dataclass(eq=False)
-class _Job:
-    """Work for the driver between two engine steps (a sync, sleep); `drain`: wait until no request runs."""
-
-    run: Callable[[], Any]
-    drain: bool
-    done: Future[Any] = field(default_factory=Future)
 
 
 class ColocatedVLLM(InferenceInterface):
@@ -106,22 +97,28 @@ class ColocatedVLLM(InferenceInterface):
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
-        self.pause_mode = pause_mode
         self.transport = ColocatedWeights(self)
         self.transports: list[WeightTransport[Any]] = [self.transport]
         if base_model is not None:
             self.transports.append(ColocatedAdapters(self.transport, base_model))
         self._version = policy_version
         self._seeds = random.Random(seed)
+        self._seeding = threading.Lock()
         self._ids = itertools.count()
-        self._condition = threading.Condition()
-        self._waiting: deque[_Request] = deque()  # guarded by _condition, like _jobs and _closed
-        self._jobs: deque[_Job] = deque()
-        self._closed = False
         self._running: dict[str, _Request] = {}  # the driver's alone
         self.sleeping = False  # the driver's alone
-        self._driver = threading.Thread(target=self._drive, name="colocated-vllm", daemon=True)
-        self._driver.start()
+        self._requests = RequestDriver(
+            EngineSteps(
+                running=lambda: bool(self._running),
+                step=self._step,  # vLLM schedules: every queued request joins at the next step
+                abort_running=self._abort_running,
+                fail_running=self._fail_running,
+            ),
+            name="the colocated vLLM engine",
+            thread_name="colocated-vllm",
+            weight_update=pause_mode,
+            own_thread=True,
+        )
 
     @classmethod
     def from_config(
@@ -158,6 +155,15 @@ class ColocatedVLLM(InferenceInterface):
     def policy_version(self) -> int:
         return self._version
 
+    @property
+    def pause_mode(self) -> Literal["wait", "abort"]:
+        """What a sync does with running requests (``wait``, ``abort``), from the next sync on."""
+        return self._requests.weight_update
+
+    @pause_mode.setter
+    def pause_mode(self, mode: Literal["wait", "abort"]) -> None:
+        self._requests.weight_update = mode
+
     def health(self) -> Health:
         return Health(servers=("vLLM in this process",))
 
@@ -176,18 +182,14 @@ class ColocatedVLLM(InferenceInterface):
         that leaves no room for `max_tokens` in the engine's `max_model_len` (vLLM would cut it short)."""
         if isinstance(request, dict):
             request = InferenceRequest.model_validate(request)
-        with self._condition:
+        with self._seeding:
             request = with_seed(request, self._seeds)
         model = self.engine.model_config
         prompt_ids = prompt_token_ids(
             self.tokenizer, request, context=model.max_model_len, vocab_size=model.get_vocab_size()
         )
         pending = _Request(request, prompt_ids, Future())
-        with self._condition:
-            if self._closed:
-                raise RuntimeError("the colocated vLLM engine is closed")
-            self._waiting.append(pending)
-            self._condition.notify()
+        self._requests.submit(pending)
         return pending.future
 
     # -- weights ---------------------------------------------------------------------------------
@@ -197,55 +199,16 @@ class ColocatedVLLM(InferenceInterface):
         adapters merged onto them (`ColocatedAdapters`)."""
         return transport_for(self.transports, kind, "vLLM colocated in this process")
 
-    def run_job(self, run: Callable[[], Any], *, drain: bool) -> Any:
-        """Run `run` on the driver between two engine steps and return its result; with `drain`, once
-        no request runs (`pause_mode` wait) or after ending those that do (abort)."""
-        job = _Job(run, drain)
-        with self._condition:
-            if self._closed:
-                raise RuntimeError("the colocated vLLM engine is closed")
-            self._jobs.append(job)
-            self._condition.notify()
-        return job.done.result()
+    def between_steps(self, run: Callable[[], Any]) -> Any:
+        """Run `run` on the driver between two engine steps, once no request runs (`pause_mode` wait)
+        or after ending those that do (abort), and return its result."""
+        return self._requests.between_steps(run)
 
     def set_version(self, version: int) -> None:
         """Stamp later admissions with `version` (the driver calls it, after a sync)."""
         self._version = version
 
-    # -- the driver ------------------------------------------------------------------------------
-
-    def _drive(self) -> None:
-        while True:
-            with self._condition:
-                while not (self._waiting or self._jobs or self._running or self._closed):
-                    self._condition.wait()
-                if self._closed:
-                    break
-                job = self._jobs[0] if self._jobs else None
-                admit = [] if job is not None else list(self._waiting)
-                if job is None:
-                    self._waiting.clear()
-            if job is not None and self._ready_for(job):
-                with self._condition:
-                    self._jobs.popleft()
-                _run_into(job.done, job.run)
-                continue
-            for pending in admit:
-                self._admit(pending)
-            if self._running:
-                self._step()
-        self._fail_all(RuntimeError("the colocated vLLM engine was closed"))
-
-    def _ready_for(self, job: _Job) -> bool:
-        """Whether `job` may run now; in `abort` mode, ends the running requests first."""
-        if not job.drain or not self._running:
-            return True
-        if self.pause_mode == "abort":
-            self.engine.abort_request(list(self._running), internal=False)
-            for request_id in list(self._running):
-                self._finish_aborted(request_id)
-            return True
-        return False
+    # -- the driver's primitives (`RequestDriver`) -----------------------------------------------
 
     def _admit(self, pending: _Request) -> None:
         from vllm import SamplingParams
@@ -264,17 +227,25 @@ class ColocatedVLLM(InferenceInterface):
             return
         self._running[request_id] = pending  # vLLM's outputs carry this id (its own adds a suffix)
 
-    def _step(self) -> None:
+    def _step(self, admitted: list[_Request]) -> None:
+        for pending in admitted:
+            self._admit(pending)
+        if not self._running:
+            return
         try:
             outputs = self.engine.step()
-        except Exception as exc:
+        except Exception:
             log.exception("colocated vLLM failed a step; its requests fail")
-            self._fail_running(exc)
-            return
+            raise
         for output in outputs:
             if output.finished and output.request_id in self._running:
                 pending = self._running.pop(output.request_id)
-                _run_into(pending.future, lambda p=pending, o=output: responses(p, o, self.tokenizer))
+                settle(pending.future, lambda p=pending, o=output: responses(p, o, self.tokenizer))
+
+    def _abort_running(self) -> None:
+        self.engine.abort_request(list(self._running), internal=False)
+        for request_id in list(self._running):
+            self._finish_aborted(request_id)
 
     def _finish_aborted(self, request_id: str) -> None:
         pending = self._running.pop(request_id)
@@ -288,26 +259,16 @@ class ColocatedVLLM(InferenceInterface):
         )
         pending.future.set_result([aborted] * pending.request.n)
 
-    def _fail_running(self, error: BaseException) -> None:
+    def _fail_running(self, admitted: list[_Request], error: Exception) -> None:
         running, self._running = self._running, {}
         if running:
             try:
                 self.engine.abort_request(list(running), internal=False)
             except Exception:  # noqa: BLE001 (the engine failed already; the callers hear of the first error)
                 log.debug("aborting after a failed step failed too", exc_info=True)
-        for pending in running.values():
+        for pending in [*running.values(), *admitted]:
             if not pending.future.done():
                 pending.future.set_exception(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        self._fail_running(error)
-        with self._condition:
-            waiting, self._waiting = list(self._waiting), deque()
-            jobs, self._jobs = list(self._jobs), deque()
-        for pending in waiting:
-            pending.future.set_exception(error)
-        for job in jobs:
-            job.done.set_exception(error)
 
     # -- sleep (CUDA) ----------------------------------------------------------------------------
 
@@ -326,12 +287,8 @@ class ColocatedVLLM(InferenceInterface):
 
     def close(self) -> None:
         """Stop the driver (requests still queued fail) and shut the engine down."""
-        with self._condition:
-            if self._closed:
-                return
-            self._closed = True
-            self._condition.notify()
-        self._driver.join()
+        if not self._requests.close():
+            return
         shutdown = getattr(self.engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -357,11 +314,11 @@ class ColocatedWeights(WeightTransport[FullWeights]):
         """The trainer is about to update the policy: with `sleep_level`, the engine sleeps until the
         next `send` (requests running then finish first)."""
         if self.owner.config.sleep_level:
-            self.owner.run_job(self.owner.sleep, drain=True)
+            self.owner.between_steps(self.owner.sleep)
 
     def send(self, payload: FullWeights, version: int, *, reset: bool = False) -> None:
         check_version(version, MAX_POLICY_VERSION)
-        self.owner.run_job(lambda: self._load(payload.buckets(), version), drain=True)
+        self.owner.between_steps(lambda: self._load(payload.buckets(), version))
 
     def _load(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> None:
         owner, engine = self.owner, self.owner.engine
@@ -465,15 +422,6 @@ def with_seed(request: InferenceRequest, seeds: random.Random) -> InferenceReque
         return request
     args = request.generation_args.model_copy(update={"seed": seeds.randrange(_SEED_RANGE)})
     return request.model_copy(update={"generation_args": args})
-
-
-def _run_into(future: Future[Any], run: Callable[[], Any]) -> None:
-    if future.cancelled():
-        return
-    try:
-        future.set_result(run())
-    except BaseException as exc:  # noqa: BLE001 (the caller waiting on the future gets it)
-        future.set_exception(exc)
 
 
 def check_colocatable(config: VLLMConfig) -> None:
