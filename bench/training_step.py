@@ -82,10 +82,10 @@ def main() -> None:
             i for i in range(len(batch)) if batch.advantages[i] != 0 or not trainer.update.skip_zero_advantage
         ]
         for row_tokens, share in itertools.product(args.row_tokens, (True, False)):
-            trainer.update.training = config.training.model_copy(
+            trainer.update.passes.training = config.training.model_copy(
                 update={"pack_row_tokens": row_tokens, "share_prefixes": share}
             )
-            units, row_length = trainer.update._layout(batch.sequences, batch.loss_masks, trained)
+            units, row_length = trainer.update.passes.layout(batch.sequences, batch.loss_masks, trained)
             laid_out = sum(unit_tokens(unit, lengths) for unit in units)
 
             def update():

@@ -159,8 +159,6 @@ def policy_loss(
     entropies: torch.Tensor | None = None,
     inference_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
-    teacher_kl: torch.Tensor | None = None,
-    teacher_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy-gradient loss to minimise and its metrics (see the module docstring for formulas).
 
@@ -178,40 +176,149 @@ def policy_loss(
             Given without it, they only feed the mismatch metrics.
         sequence_ids: ``[B, T]`` sequence index of each token for packed rows (non-negative on masked
             tokens; anything, e.g. -1, elsewhere). None means one sequence per row.
-        teacher_kl: ``[B, T]`` each token's divergence from a distillation teacher, carrying its gradient
-            (`llmrl.algorithms.distillation.top_k_reverse_kl`), added to the token's loss times
-            `teacher_coef` and aggregated like the rest.
 
     Returns ``(loss, metrics)``: a scalar tensor and a dict of floats. Metrics are token means over
     the masked tokens of this call unless named otherwise; ``num_tokens`` / ``num_sequences`` let a
-    caller weight them across micro-batches.
+    caller weight them across micro-batches. The trainer builds the same loss from the same pieces
+    (`TokenLoss`, `clipped_surrogate`, `add_kl_penalty`), one loss term of its own at a time.
     """
-    if normalizer is not None and not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0 (or None), got {normalizer}")
-    _check_shapes(
-        logprobs, old_logprobs, mask, ref_logprobs, entropies, inference_logprobs, sequence_ids, teacher_kl
-    )
+    _check_normalizer(normalizer)
+    _check_shapes(logprobs, old_logprobs, mask, ref_logprobs, entropies, inference_logprobs, sequence_ids)
     if options.kl_beta > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs are required when kl_beta > 0")
     if options.entropy_coef > 0 and entropies is None:
         raise ValueError("entropies are required when entropy_coef > 0")
     if options.is_mode is not None and inference_logprobs is None:
         raise ValueError(f"inference_logprobs are required when is_mode={options.is_mode!r}")
+    loss = TokenLoss(logprobs, mask, sequence_ids)
+    surrogate = clipped_surrogate(loss, old_logprobs, advantages, options, inference_logprobs)
+    if ref_logprobs is not None:
+        add_kl_penalty(loss, ref_logprobs, options, surrogate.ratio)
+    if entropies is not None:
+        loss.add_weighted("entropy", entropies, -options.entropy_coef)
+    total = loss.aggregate(options.aggregation, options.max_length, normalizer)
+    loss.metrics.update(surrogate.statistics(loss))
+    loss.metrics.update(loss.counts())
+    return total, loss.metrics
 
-    in_mask = mask.bool()
-    m = in_mask.to(logprobs.dtype)  # (B, T) 1.0 on loss tokens
-    segment, num_segments = _segment_index(in_mask, sequence_ids)
-    tokens_per_sequence = _segment_sum(m, segment, num_segments)  # (S,)
-    # Off the mask, inputs may hold anything (padding, -inf); zero them before any exp() so garbage
-    # cannot reach the loss or put NaN into the gradient even where the loss weight is 0.
-    logprobs = torch.where(in_mask, logprobs, 0.0)
+
+class TokenLoss:
+    """One batch's per-token loss ``l_t``, built a term at a time, and its aggregate.
+
+    The terms add up in the order they are added (float addition is not associative, so the order is
+    part of the result), and the aggregation weights them all alike: a sequence that masked IS drops
+    (`keep`) leaves every term. Off the mask inputs may hold anything (padding, -inf): each term's
+    inputs are zeroed there before any exp(), so garbage reaches neither the loss nor its gradient.
+    """
+
+    def __init__(self, logprobs: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor | None = None):
+        self.in_mask = mask.bool()
+        self.mask = self.in_mask.to(logprobs.dtype)  # (B, T) 1.0 on loss tokens
+        self.segment, num_segments = _segment_index(self.in_mask, sequence_ids)
+        self.tokens_per_sequence = _segment_sum(self.mask, self.segment, num_segments)  # (S,)
+        self.sequence_ids = sequence_ids
+        self.logprobs = torch.where(self.in_mask, logprobs, 0.0)
+        self.keep = self.mask
+        """(B, T) 1.0 on the tokens that stay in the loss (masked IS drops whole sequences)."""
+        self.metrics: dict[str, float] = {}
+        self.weight: torch.Tensor | None = None
+        """The aggregation's per-token weight, once `aggregate` has run (the same for every term)."""
+        self.normalizer = 1.0
+        self._per_token: torch.Tensor | None = None
+
+    def add(self, per_token: torch.Tensor) -> None:
+        """Add a term's ``[B, T]`` per-token loss, already weighted."""
+        self._per_token = per_token if self._per_token is None else self._per_token + per_token
+
+    def add_weighted(self, name: str, values: torch.Tensor, coef: float) -> None:
+        """Add ``coef * values`` (zero off the mask); their token mean is metric `name`."""
+        values = torch.where(self.in_mask, values, 0.0)
+        self.metrics[name] = self.token_mean(values)
+        self.add(coef * values)
+
+    def token_mean(self, values: torch.Tensor) -> float:
+        return _token_mean(values, self.mask)
+
+    def aggregate(
+        self, aggregation: Aggregation, max_length: int | None, normalizer: float | None
+    ) -> torch.Tensor:
+        """The loss: the terms' sum, weighted by `aggregation` and divided by `normalizer` (None: this
+        batch's own denominator)."""
+        _check_normalizer(normalizer)
+        assert self._per_token is not None, "no term was added"
+        self.weight = self.keep * _aggregation_weight(self.segment, self.tokens_per_sequence, aggregation)
+        if normalizer is None:
+            # An empty mask has a zero numerator; dividing by 1 keeps the loss 0 and differentiable.
+            normalizer = max(
+                _denominator(self.mask.sum(), self.tokens_per_sequence, aggregation, max_length), 1.0
+            )
+        self.normalizer = normalizer
+        loss = (self._per_token * self.weight).sum() / normalizer
+        self.metrics["loss"] = loss.detach().item()
+        return loss
+
+    def counts(self) -> dict[str, float]:
+        """The masked tokens and the sequences that have any, for weighting metrics across batches."""
+        return {
+            "num_tokens": float(self.mask.sum()),
+            "num_sequences": float((self.tokens_per_sequence > 0).sum()),
+        }
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """The clipped surrogate of a `TokenLoss`, kept for its statistics once the loss is aggregated."""
+
+    pg: torch.Tensor
+    """(B, T) the surrogate's per-token loss, IS-weighted when `is_mode` is ``truncate``."""
+    ratio: torch.Tensor
+    """(B, T) the ratio ``r`` (GSPO's per-sequence one with ``ratio_level="sequence"``)."""
+    token_log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    options: LossOptions
+
+    @torch.no_grad()
+    def statistics(self, loss: TokenLoss) -> dict[str, float]:
+        """Its share of the aggregated `loss` (``pg_loss``), the ratio's mean and clipped fractions, and
+        ``approx_kl``: KL(pi_old || pi), sampled from pi_old."""
+        assert loss.weight is not None, "aggregate the loss first"
+        ratio, advantages, options, m = self.ratio, self.advantages, self.options, loss.mask
+        metrics = {
+            "pg_loss": float((self.pg * loss.weight).sum() / loss.normalizer),
+            "ratio_mean": loss.token_mean(ratio),
+            "clip_frac_low": loss.token_mean(
+                ((advantages < 0) & (ratio < 1.0 - options.clip_low)).to(m.dtype)
+            ),
+            "clip_frac_high": loss.token_mean(
+                ((advantages > 0) & (ratio > 1.0 + options.clip_high)).to(m.dtype)
+            ),
+        }
+        if options.dual_clip is not None:
+            metrics["dual_clip_frac"] = loss.token_mean(
+                ((advantages < 0) & (ratio > options.dual_clip)).to(m.dtype)
+            )
+        metrics["approx_kl"] = loss.token_mean(_k3(self.token_log_ratio))
+        return metrics
+
+
+def clipped_surrogate(
+    loss: TokenLoss,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    options: LossOptions,
+    inference_logprobs: torch.Tensor | None = None,
+) -> Surrogate:
+    """Add the PPO clipped surrogate (dual-clipped, GSPO's sequence ratio, IS-corrected as `options`
+    say) to `loss` as its first term; the IS metrics join its metrics."""
+    in_mask, segment = loss.in_mask, loss.segment
     old_logprobs = torch.where(in_mask, old_logprobs.detach(), 0.0)  # a constant of the objective
-    advantages = torch.where(in_mask, _per_token_advantages(advantages, in_mask, segment, sequence_ids), 0.0)
-
-    token_log_ratio = _clamped(logprobs - old_logprobs)  # log pi / pi_old, (B, T)
+    advantages = torch.where(
+        in_mask, _per_token_advantages(advantages, in_mask, segment, loss.sequence_ids), 0.0
+    )
+    token_log_ratio = _clamped(loss.logprobs - old_logprobs)  # log pi / pi_old, (B, T)
     if options.ratio_level == "sequence":
-        per_sequence = _segment_mean(token_log_ratio, segment, tokens_per_sequence)  # (S,)
-        log_ratio = per_sequence[segment].detach() + logprobs - logprobs.detach()  # GSPO-token form
+        per_sequence = _segment_mean(token_log_ratio, segment, loss.tokens_per_sequence)  # (S,)
+        log_ratio = per_sequence[segment].detach() + loss.logprobs - loss.logprobs.detach()  # GSPO-token form
     else:
         log_ratio = token_log_ratio
     ratio = log_ratio.exp()
@@ -219,73 +326,52 @@ def policy_loss(
     pg = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # (B, T)
     if options.dual_clip is not None:
         pg = torch.where(advantages < 0, torch.minimum(pg, -options.dual_clip * advantages), pg)
-
-    metrics: dict[str, float] = {}
-    keep = m  # (B, T) 1.0 on tokens that stay in the loss after masked IS
     if inference_logprobs is not None:
-        inference_logprobs = torch.where(in_mask, inference_logprobs.detach(), 0.0)
-        is_log_weight = _clamped(old_logprobs - inference_logprobs)  # log pi_old / q, (B, T)
-        is_weight = is_log_weight.exp()
-        metrics["mismatch_kl"] = _token_mean(_k3(is_log_weight), m)  # KL(q || pi_old), sampled from q
-        metrics["is_weight_mean"] = _token_mean(is_weight, m)
-        metrics["is_weight_max"] = float(is_weight[in_mask].max()) if in_mask.any() else 0.0
-        if options.is_mode == "truncate":
-            pg = pg * is_weight.clamp(max=options.is_cap)  # a constant weight: both logprobs are detached
-            metrics["is_truncated_frac"] = _token_mean((is_weight > options.is_cap).to(m.dtype), m)
-        elif options.is_mode == "mask":
-            seq_log_weight = _segment_mean(is_log_weight, segment, tokens_per_sequence)  # (S,)
-            outside = seq_log_weight.abs() > math.log(
-                options.is_cap
-            )  # (S,) weight outside [1/is_cap, is_cap]
-            keep = m * (~outside[segment]).to(m.dtype)
-            has_tokens = tokens_per_sequence > 0
-            metrics["is_masked_seq_frac"] = float(
-                (outside & has_tokens).sum() / has_tokens.sum().clamp(min=1)
-            )
+        pg = _importance_sampling(loss, pg, old_logprobs, inference_logprobs, options)
+    loss.add(pg)
+    return Surrogate(pg, ratio, token_log_ratio, advantages, options)
 
-    per_token = pg
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, torch.where(in_mask, ref_logprobs.detach(), 0.0), options.kl_estimator)
-        metrics["ref_kl"] = _token_mean(kl, m)
-        if options.kl_ratio_weighted:
-            kl = kl * ratio  # r's value is 1 on-policy, but its gradient adds KL_t * grad log pi
-        per_token = per_token + options.kl_beta * kl
-    if entropies is not None:
-        entropies = torch.where(in_mask, entropies, 0.0)
-        metrics["entropy"] = _token_mean(entropies, m)
-        per_token = per_token - options.entropy_coef * entropies
 
-    if teacher_kl is not None:
-        teacher_kl = torch.where(in_mask, teacher_kl, 0.0)
-        metrics["teacher_kl"] = _token_mean(teacher_kl, m)
-        per_token = per_token + teacher_coef * teacher_kl
+def _importance_sampling(
+    loss: TokenLoss,
+    pg: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    options: LossOptions,
+) -> torch.Tensor:
+    """`pg` corrected for the trainer/inference mismatch by `options.is_mode` (masked IS drops sequences
+    from `loss.keep` instead); the mismatch metrics join the loss's."""
+    in_mask, m, metrics = loss.in_mask, loss.mask, loss.metrics
+    inference_logprobs = torch.where(in_mask, inference_logprobs.detach(), 0.0)
+    is_log_weight = _clamped(old_logprobs - inference_logprobs)  # log pi_old / q, (B, T)
+    is_weight = is_log_weight.exp()
+    metrics["mismatch_kl"] = _token_mean(_k3(is_log_weight), m)  # KL(q || pi_old), sampled from q
+    metrics["is_weight_mean"] = _token_mean(is_weight, m)
+    metrics["is_weight_max"] = float(is_weight[in_mask].max()) if in_mask.any() else 0.0
+    if options.is_mode == "truncate":
+        pg = pg * is_weight.clamp(max=options.is_cap)  # a constant weight: both logprobs are detached
+        metrics["is_truncated_frac"] = _token_mean((is_weight > options.is_cap).to(m.dtype), m)
+    elif options.is_mode == "mask":
+        seq_log_weight = _segment_mean(is_log_weight, loss.segment, loss.tokens_per_sequence)  # (S,)
+        outside = seq_log_weight.abs() > math.log(options.is_cap)  # (S,) weight outside [1/is_cap, is_cap]
+        loss.keep = m * (~outside[loss.segment]).to(m.dtype)
+        has_tokens = loss.tokens_per_sequence > 0
+        metrics["is_masked_seq_frac"] = float((outside & has_tokens).sum() / has_tokens.sum().clamp(min=1))
+    return pg
 
-    weight = keep * _aggregation_weight(segment, tokens_per_sequence, options.aggregation)  # (B, T)
-    if normalizer is None:
-        # An empty mask has a zero numerator; dividing by 1 keeps the loss 0 and differentiable.
-        normalizer = max(
-            _denominator(m.sum(), tokens_per_sequence, options.aggregation, options.max_length), 1.0
-        )
-    loss = (per_token * weight).sum() / normalizer
 
-    with torch.no_grad():
-        metrics["loss"] = loss.detach().item()
-        metrics["pg_loss"] = float((pg * weight).sum() / normalizer)
-        metrics["ratio_mean"] = _token_mean(ratio, m)
-        metrics["clip_frac_low"] = _token_mean(
-            ((advantages < 0) & (ratio < 1.0 - options.clip_low)).to(m.dtype), m
-        )
-        metrics["clip_frac_high"] = _token_mean(
-            ((advantages > 0) & (ratio > 1.0 + options.clip_high)).to(m.dtype), m
-        )
-        if options.dual_clip is not None:
-            metrics["dual_clip_frac"] = _token_mean(
-                ((advantages < 0) & (ratio > options.dual_clip)).to(m.dtype), m
-            )
-        metrics["approx_kl"] = _token_mean(_k3(token_log_ratio), m)  # KL(pi_old || pi), sampled from pi_old
-        metrics["num_tokens"] = float(m.sum())
-        metrics["num_sequences"] = float((tokens_per_sequence > 0).sum())
-    return loss, metrics
+def add_kl_penalty(
+    loss: TokenLoss, ref_logprobs: torch.Tensor, options: LossOptions, ratio: torch.Tensor
+) -> None:
+    """Add ``kl_beta`` times the KL to the reference (times the surrogate's `ratio` with
+    ``kl_ratio_weighted``) to `loss`; its token mean is ``ref_kl``."""
+    kl = kl_penalty(
+        loss.logprobs, torch.where(loss.in_mask, ref_logprobs.detach(), 0.0), options.kl_estimator
+    )
+    loss.metrics["ref_kl"] = loss.token_mean(kl)
+    if options.kl_ratio_weighted:
+        kl = kl * ratio  # r's value is 1 on-policy, but its gradient adds KL_t * grad log pi
+    loss.add(options.kl_beta * kl)
 
 
 def loss_normalizer(
@@ -334,6 +420,11 @@ def kl_penalty(
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _check_normalizer(normalizer: float | None) -> None:
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0 (or None), got {normalizer}")
 
 
 def _k3(log_rho: torch.Tensor) -> torch.Tensor:
@@ -430,7 +521,6 @@ def _check_shapes(
     entropies: torch.Tensor | None,
     inference_logprobs: torch.Tensor | None,
     sequence_ids: torch.Tensor | None,
-    teacher_kl: torch.Tensor | None,
 ) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -439,7 +529,6 @@ def _check_shapes(
         "mask": mask,
         "ref_logprobs": ref_logprobs,
         "entropies": entropies,
-        "teacher_kl": teacher_kl,
         "inference_logprobs": inference_logprobs,
         "sequence_ids": sequence_ids,
     }

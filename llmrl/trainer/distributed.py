@@ -22,7 +22,7 @@ train, are gathered for a sync and are checkpointed (`llmrl.trainer.lora`).
 
 FSDP2 runs collectives inside every forward and backward pass, so every rank must run the same
 number of them: a rank with fewer micro-batches than the others runs zero-weight passes
-(`PolicyUpdate` asks `max_count` how many).
+(`ForwardPasses` asks `max_count` how many).
 
 Teardown, in this order and before the interpreter exits: the rollout worker thread is joined
 (the pipeline closes first), then `close` waits for every rank at a barrier and destroys the process

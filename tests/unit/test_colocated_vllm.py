@@ -279,7 +279,10 @@ def test_llmrl_train_runs_itself_with_vllms_interpreter(monkeypatch, tmp_path):
     monkeypatch.setattr(
         "llmrl.inference.vllm.find_vllm_python", lambda configured: "/opt/vllm-env/bin/python"
     )
-    monkeypatch.delenv(cli._REEXEC_MARK, raising=False)
+    # The command marks the environment it runs again in; set here first, so the mark goes when the test
+    # does (a leftover mark would refuse the switch in later tests' `llmrl train`).
+    monkeypatch.setenv(cli._REEXEC_MARK, "")
+    monkeypatch.delenv(cli._REEXEC_MARK)
     executed = []
 
     def execv(path, argv):

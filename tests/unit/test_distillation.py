@@ -19,7 +19,7 @@ from llmrl.algorithms.logprobs import token_logprobs_and_teacher_kl, token_top_k
 from llmrl.algorithms.packing import build_batch, unpack
 from llmrl.config import AlgorithmConfig, ConfigError, DistillationConfig, TrainingConfig, load_config
 from llmrl.rollouts import prepare_batch
-from llmrl.trainer import optimization
+from llmrl.trainer.loss_terms import policy_gradient
 from llmrl.trainer.optimization import PolicyUpdate
 from llmrl.trainer.policy import load_policy, tokenizer_mismatch
 from llmrl.types import GenerationArgs, RolloutGroup
@@ -142,12 +142,12 @@ def distill_update(groups, teacher, distillation, *, capture=None, monkeypatch=N
     """One `PolicyUpdate` step of a fresh `tiny_policy(0)` with `teacher`; returns the policy and metrics."""
     if capture is not None:
 
-        def recording_loss(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
-            capture.append((advantages.clone(), mask.clone(), kwargs["sequence_ids"].clone()))
-            return real_loss(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+        def recording_surrogate(loss, old_logprobs, advantages, *args):
+            capture.append((advantages.clone(), loss.in_mask.clone(), loss.sequence_ids.clone()))
+            return real_surrogate(loss, old_logprobs, advantages, *args)
 
-        real_loss = optimization.policy_loss
-        monkeypatch.setattr(optimization, "policy_loss", recording_loss)
+        real_surrogate = policy_gradient.clipped_surrogate
+        monkeypatch.setattr(policy_gradient, "clipped_surrogate", recording_surrogate)
     policy = tiny_policy(0)
     update = PolicyUpdate(
         policy,

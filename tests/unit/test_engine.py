@@ -36,7 +36,7 @@ from llmrl.inference.decoder import HFDecoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.interface import InferenceInterface
 from llmrl.models.shape import tied_duplicates
-from llmrl.trainer.optimization import sampling_params
+from llmrl.trainer.passes import sampling_params
 from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
 from llmrl.weights import weight_buckets
 

@@ -22,13 +22,9 @@ from llmrl.models.shape import ModelShape, tied_duplicates
 from llmrl.rollouts import RolloutBatch, prepare_batch, rollout_metrics
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import split_by_tokens
-from llmrl.trainer.optimization import (
-    PolicyUpdate,
-    _MetricTotals,
-    build_optimizer,
-    fast_forward,
-    sampling_params,
-)
+from llmrl.trainer.metric_totals import MetricTotals
+from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
+from llmrl.trainer.passes import sampling_params
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 
 VOCAB = 48
@@ -309,7 +305,7 @@ def test_micro_batches_respect_the_token_budget_and_the_row_length():
         max_tokens=8,
         pad_token_id=0,
     )
-    packed = list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
+    packed = list(update.passes.micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
     longest = max(len(s) for s in batch.sequences)
     assert all(p.input_ids.numel() <= 40 and p.input_ids.shape[1] <= max(10, longest) for p in packed)
     assert sorted(i for p in packed for i in p.spans) == list(range(len(batch)))
@@ -348,7 +344,7 @@ def test_models_with_sliding_window_attention_never_share_prefixes():
             max_tokens=8,
             pad_token_id=0,
         )
-        return list(update._rank_micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
+        return list(update.passes.micro_batches(batch.sequences, batch.loss_masks, range(len(batch))))
 
     assert any(p.attention_mask is not None for p in layouts(tiny_policy()))  # shared when it may
     local = tiny_policy()
@@ -651,15 +647,15 @@ def test_metric_totals_of_shares_combine_into_the_totals_of_the_whole():
             "num_sequences": 1.0,
         },
     ]
-    whole = _MetricTotals()
-    shares = [_MetricTotals(), _MetricTotals()]
+    whole = MetricTotals()
+    shares = [MetricTotals(), MetricTotals()]
     for step in range(2):  # two optimizer steps; the micro-batches split between two ranks
         for k, metrics in enumerate(micro_batches):
             whole.add_micro_batch(metrics)
             shares[k % 2].add_micro_batch(metrics)
         for totals in (whole, *shares):
             totals.add_optimizer_step(grad_norm=1.0 + step)
-    combined = _MetricTotals.combine(shares).result()
+    combined = MetricTotals.combine(shares).result()
     expected = whole.result()
     assert combined.keys() == expected.keys()
     for key, value in expected.items():
@@ -704,8 +700,8 @@ def test_each_rollout_gets_logprobs_of_its_own_sampling_options():
         max_tokens=8,
         pad_token_id=0,
     )
-    update._sampling = sampling_params([r.generation_args for r in batch.rollouts], ["r"] * len(batch))
-    packed = update._sequence_logprobs(policy, batch.sequences, batch.loss_masks, range(len(batch)))
+    update.passes.follow_sampling([r.generation_args for r in batch.rollouts], ["r"] * len(batch))
+    packed = update.passes.sequence_logprobs(policy, batch.sequences, batch.loss_masks, range(len(batch)))
     for i, rollout in enumerate(batch.rollouts):
         tokens, mask = torch.tensor(rollout.tokens), torch.tensor(rollout.mask)
         with torch.no_grad():

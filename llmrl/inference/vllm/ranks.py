@@ -17,9 +17,11 @@ seeds every request that comes without a seed before it picks an engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import secrets
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -115,6 +117,11 @@ class _Peer:
 
     def close(self) -> None:
         self.closing = True
+        # Closing the descriptor alone neither wakes this side's reader (blocked in recv) nor, while that
+        # read holds the socket open, ends it for the other process: a shutdown does both.
+        with contextlib.suppress(OSError):  # closed already
+            with socket.socket(fileno=os.dup(self.connection.fileno())) as end:
+                end.shutdown(socket.SHUT_RDWR)
         self.connection.close()
 
 
