@@ -2,10 +2,10 @@
 
 `Trainer(config).run()` is the whole of ``llmrl train``. One step::
 
-    groups   = agents.group_rollouts(inference, prompts_per_step, group_size)   generate + reward
-    batch    = prepare_batch(groups)                                            shaping, advantages
-    metrics  = update(batch)                                                    logprobs, loss, AdamW
-    weight_sync.sync(step)                                                      the engine serves them
+    groups   = rollouts.get(step)          the agents' groups, generated + rewarded (llmrl.rollouts)
+    batch    = prepare_batch(groups)       shaping, advantages
+    metrics  = update(batch)               logprobs, the loss terms, AdamW
+    weight_sync.sync(step)                 the engine serves them
 
 with evaluation at the start, every `evaluation.every` steps and at the end, and a checkpoint every
 `checkpoint.every` steps and at the end. A run folder that already holds a checkpoint of the same
