@@ -9,7 +9,9 @@
 
 User mistakes (a `UserError`: a bad config, model spec or plug-in name; a missing or existing file)
 print one clear message and exit with status 2; any other exception is a bug and keeps its traceback.
-Ctrl-C exits with 130 (a training run first finishes its step and saves a checkpoint). A training
+Ctrl-C exits with 130. A training run stops on SIGINT (Ctrl-C), SIGTERM or SIGHUP after it saves a
+checkpoint (of the step in flight, or with `checkpoint.on_signal: save_now` of the last finished one)
+and exits with 128 + the signal's number: 130, 143, 129 (`StoppedBySignal`). A training
 run whose inference server stops answering exits with 75 and one line saying since when; running
 the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
 exits with 1 and one line naming the failure (`UserCodeError`); so does one whose run folder cannot be
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from llmrl.config import ConfigError, RunConfig, dump_config, load_config
 from llmrl.errors import UserCodeError, UserError
+from llmrl.stopping import StoppedBySignal
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -99,14 +102,14 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from llmrl.trainer.evaluated_model import find_evaluated_model, run_model
+    from llmrl.trainer.evaluated_model import find_evaluated_model, run_model, with_model_folder
 
     if args.model is not None:
         model = find_evaluated_model(args.model)
         # Without a config, a run's checkpoint is evaluated on what its run trained and evaluated on.
         config = load_config(args.config or model.run_config, args.overrides)
     else:
-        config = _load(args)
+        config = with_model_folder(_load(args))
         model = run_model(config.run_dir, config.model.spec)
     _run_where_vllm_is(config, args)
     environments = [env.name for env in config.environments]
@@ -228,21 +231,28 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_inference(args: argparse.Namespace) -> int:
+    from llmrl.config import ModelConfig
     from llmrl.server.inference_server import serve_inference
+    from llmrl.trainer.evaluated_model import find_evaluated_model
 
     _server_logging()
-    serve_inference(
-        args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        weights_dir=args.weights_dir,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_batch_tokens=args.max_batch_tokens,
-        max_concurrent=args.max_concurrent,
-        weight_update=args.weight_update,
-    )
+    # What `llmrl eval --model` evaluates: a run folder its latest checkpoint, a LoRA one merged onto its base.
+    model = find_evaluated_model(args.model)
+    print(f"serving {model.description}", flush=True)
+    with model.served(ModelConfig(dtype=args.dtype)) as served:
+        serve_inference(
+            served.spec,
+            model_name=args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            weights_dir=args.weights_dir,
+            dtype=args.dtype,
+            seed=args.seed,
+            max_batch_tokens=args.max_batch_tokens,
+            max_concurrent=args.max_concurrent,
+            weight_update=args.weight_update,
+        )
     return 0
 
 
@@ -336,7 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve-inference", cmd_serve_inference, "Serve a model over an OpenAI-compatible HTTP API."
     )
     serve_inference.add_argument(
-        "--model", required=True, help="model spec: tiny://arithmetic, a folder or hub id"
+        "--model",
+        required=True,
+        help="model to serve: a run folder (its latest checkpoint), a checkpoint or LoRA adapter folder "
+        "(merged onto its base), a Hugging Face model folder or a model spec (tiny://arithmetic, a hub id)",
     )
     _add_server_arguments(serve_inference, default_port=8000)
     serve_inference.add_argument(
@@ -389,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, FileExistsError, FileNotFoundError) as exc:
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except StoppedBySignal as stop:  # the run said what it saved
+        print(f"llmrl {args.command}: stopped by {stop.name}", file=sys.stderr)
+        return stop.exit_status
     except KeyboardInterrupt:
         print(f"llmrl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -53,10 +53,12 @@ from llmrl.config.inference import (
 from llmrl.config.loading import (
     AGENT_INPUT_PATHS,
     DEMO_CONFIG,
+    config_folder_of_missing_spec,
     config_from_dict,
     demo_config,
     dump_config,
     load_config,
+    training_hint,
 )
 from llmrl.config.model import LoraConfig, ModelConfig
 from llmrl.config.outputs import CheckpointConfig, LoggingConfig
@@ -99,6 +101,7 @@ __all__ = [
     "TrainingConfig",
     "VLLMConfig",
     "apply_overrides",
+    "config_folder_of_missing_spec",
     "config_from_dict",
     "demo_config",
     "describe_python_object",
@@ -107,4 +110,5 @@ __all__ = [
     "load_config",
     "parse_override",
     "reference_markdown",
+    "training_hint",
 ]

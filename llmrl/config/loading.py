@@ -3,6 +3,7 @@ beside the file, and writing one back as YAML."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,18 @@ from llmrl.config.errors import ConfigError, raise_config_error
 from llmrl.config.overrides import apply_overrides, copy_containers
 from llmrl.config.run import RunConfig
 from llmrl.config.sections import is_python_object_description
+from llmrl.errors import shown_path
 
 DEMO_CONFIG = Path(__file__).parent.with_name("demo.yaml")
 """The built-in demo's config file, what ``llmrl train`` runs when given none (examples/arithmetic.yaml
 links to it)."""
+EXAMPLES = Path(__file__).parents[2] / "examples"
+"""The examples' config files, in a source checkout (an installed package has none)."""
+
+_CONFIG_FOLDERS_OF_MISSING_SPECS: dict[str, Path] = {}
+"""Each relative `model.spec` or `distillation.teacher` that is a folder neither in the working folder
+nor beside the config file that named it last, with that file's folder: the error of such a spec,
+which only its loading raises (it may be a hub id), says where it was looked for."""
 
 
 def demo_config() -> RunConfig:
@@ -48,6 +57,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if isinstance(data, dict):
         data = _found_beside(data, path.parent)
+        _remember_missing_specs(data, path.parent)
     if overrides:
         if not isinstance(data, dict):
             raise ConfigError(f"<root>: expected a mapping of sections (in {source})")
@@ -104,6 +114,37 @@ def _found_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
                 if key in arguments:
                     arguments[key] = located(arguments[key])
     return data
+
+
+def _remember_missing_specs(data: dict[str, Any], folder: Path) -> None:
+    """Note `folder`, the config file's, for each relative model spec of `data` found in no folder (a
+    ``tiny://`` spec names no folder)."""
+    for section, key in ((data.get("model"), "spec"), (data.get("distillation"), "teacher")):
+        spec = section.get(key) if isinstance(section, dict) else None
+        if not isinstance(spec, str) or "://" in spec or Path(spec).expanduser().is_absolute():
+            continue
+        if not Path(spec).exists():
+            _CONFIG_FOLDERS_OF_MISSING_SPECS[spec] = folder
+
+
+def config_folder_of_missing_spec(spec: str) -> Path | None:
+    """The folder of the config file that last named the relative model spec `spec`, which is a folder
+    neither there nor in the working folder, if one did."""
+    return _CONFIG_FOLDERS_OF_MISSING_SPECS.get(spec)
+
+
+def training_hint(folder: str | Path) -> str:
+    """``; run `llmrl train ...` first`` where the run of that command writes `folder` (the demo's run
+    folder or an example's, or a folder inside one), else "": how to make a run folder a spec names."""
+    target = Path(os.path.abspath(Path(folder).expanduser()))
+    commands = [(DEMO_CONFIG, "llmrl train")]
+    commands += [(path, f"llmrl train {shown_path(str(path))}") for path in sorted(EXAMPLES.glob("*.yaml"))]
+    for config_file, command in commands:
+        data = yaml.safe_load(config_file.read_text())
+        run_dir = data.get("run_dir") if isinstance(data, dict) else None
+        if isinstance(run_dir, str) and target.is_relative_to(os.path.abspath(run_dir)):
+            return f"; run `{command}` first"
+    return ""
 
 
 def dump_config(config: RunConfig) -> str:

@@ -34,7 +34,10 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     spec: str = "tiny://arithmetic"
-    """`tiny://arithmetic` (the built-in model), a local folder, or a Hugging Face hub id."""
+    """`tiny://arithmetic` (the built-in model), a Hugging Face hub id, or a folder: a model folder, or a run
+    or checkpoint folder of an earlier llmrl run (its latest checkpoint's model, fixed when the run starts;
+    a LoRA run's adapter is first written merged, `llmrl export`). A spec that starts with `.`, `/` or `~` is
+    a path; one like `runs/demo` is the folder where there is one, else a hub id (docs/models.md)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype: the forward and backward passes run in it (autocast in one process, FSDP2's mixed
     precision over several), the embedded engine and vLLM serve in it, and checkpoints' Hugging Face folders

@@ -17,6 +17,12 @@ class CheckpointConfig(Section):
     """Checkpoints kept on disk; older ones are deleted."""
     save_optimizer: bool = True
     """Include optimizer and scheduler state (needed for exact resume)."""
+    on_signal: Literal["finish_step", "save_now"] = "finish_step"
+    """What SIGTERM, SIGINT (Ctrl-C) or SIGHUP does: `finish_step` finishes the step in flight, then saves
+    it; `save_now`, for schedulers that allow little time before they kill, abandons the step while it
+    still waits for its rollouts and saves the last finished one (a step already updating the weights
+    finishes first). Either way the run stops with exit status 128 + the signal's number (143 for
+    SIGTERM), and the same command resumes it, ending as an uninterrupted run would."""
 
 
 class LoggingConfig(Section):

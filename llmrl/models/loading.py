@@ -1,10 +1,13 @@
 """`load_model(spec) -> (model, tokenizer)`: the one way llmrl turns a model spec into weights.
 
 A spec is ``tiny://NAME`` (a model of `llmrl.models.tiny` shipped inside the package), a local
-folder written by `save_pretrained`, or a Hugging Face hub id handed to `transformers` as is. A hub id
-loads from the local cache alone while the hub cannot be reached (one quick request says so,
-`_unreachable_hub`): huggingface_hub would otherwise retry every file it looks for, with growing
-waits, before the same error.
+folder written by `save_pretrained`, or a Hugging Face hub id handed to `transformers` as is. One that
+starts with ``.``, ``/`` or ``~`` is a path, never a hub id; one like ``runs/demo`` is the folder
+where there is one, else a hub id, and when neither has a model the error says both (where the
+folder was looked for, what the hub answered) and, for a run folder llmrl makes, the command that
+makes it. A hub id loads from the local cache alone while the hub cannot be reached (one quick
+request says so, `_unreachable_hub`): huggingface_hub would otherwise retry every file it looks
+for, with growing waits, before the same error.
 
 Models with a feature llmrl cannot reproduce exactly between its inference engine and its
 trainer are refused here, before their weights load (`check_supported`), rather than after a first
@@ -27,10 +30,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from llmrl.config import config_folder_of_missing_spec, training_hint
 from llmrl.errors import ModelSpecError, UserError
 from llmrl.models.tiny import TINY_MODELS, tiny_model_path
 
 TINY_SCHEME = "tiny://"
+PATH_STARTS = (".", "/", "~")
+"""A spec that starts with one of these is a path, never a hub id."""
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -46,7 +52,8 @@ def _is_plausible_hub_id(spec: str) -> bool:
 
 
 def resolve_model_spec(spec: str) -> str:
-    """The folder or hub id that `spec` names (a tiny model's shipped folder, its checksums verified)."""
+    """The folder or hub id that `spec` names (a tiny model's shipped folder, its checksums verified); one
+    that starts like a path (`PATH_STARTS`) is a folder, never a hub id."""
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"model spec must be a non-empty string, got {spec!r}")
     if spec.startswith(TINY_SCHEME):
@@ -58,13 +65,33 @@ def resolve_model_spec(spec: str) -> str:
                 f"model spec {spec!r} is a file; expected a folder written by save_pretrained"
             )
         return str(path)
+    if spec.startswith(PATH_STARTS):
+        raise ModelSpecError(f"model spec {spec!r}: {_missing_folder(spec)}{training_hint(spec)}")
     if not _is_plausible_hub_id(spec):
+        tiny = ", ".join(TINY_SCHEME + name for name in sorted(TINY_MODELS))
+        advice = (
+            training_hint(spec) or f"; use a folder written by save_pretrained, a hub id, or one of {tiny}"
+        )
         raise ModelSpecError(
-            f"model spec {spec!r}: no such local folder, and it is not a Hugging Face hub id (owner/name); "
-            f"use a folder written by save_pretrained, a hub id, or one of "
-            f"{', '.join(TINY_SCHEME + n for n in sorted(TINY_MODELS))}"
+            f"model spec {spec!r}: {_missing_folder(spec)}, and it is not a Hugging Face hub id (owner/name)"
+            f"{advice}"
         )
     return spec
+
+
+def _missing_folder(spec: str) -> str:
+    """That there is no folder `spec`, and where it was looked for: a relative one in the working folder
+    and, when a config file elsewhere named it, beside that file (`llmrl.config.load_config`)."""
+    path = Path(spec).expanduser()
+    if path.is_absolute():
+        return f"no folder {spec}" + (f" (looked in {path})" if str(path) != spec else "")
+    beside = config_folder_of_missing_spec(spec)
+    if beside is None or beside.resolve() == Path.cwd().resolve():
+        return f"no folder {spec} (looked in the working folder: {path.absolute()})"
+    return (
+        f"no folder {spec} (looked in the working folder and beside the config: "
+        f"{path.absolute()}, {(beside / path).absolute()})"
+    )
 
 
 def _hub_options(source: str) -> dict[str, Any]:
@@ -95,12 +122,30 @@ def _unreachable_hub() -> str | None:
 
 
 def _load_error(spec: str, source: str, what: str, exc: OSError) -> ModelSpecError:
-    unreachable = _offline_reason(source)
+    """Why the model `spec` (its folder or hub id: `source`) has no loadable `what`. A hub id the hub
+    does not have, or was not asked for, may have been meant as a folder: the error says both."""
+    missing = None if Path(source).is_dir() else _missing_from_hub(source, what, exc)
+    if missing is None:
+        return ModelSpecError(f"model spec {spec!r}: cannot load its {what}: {exc}")
+    return ModelSpecError(f"model spec {spec!r}: {_missing_folder(spec)}; {missing}{training_hint(spec)}")
+
+
+def _missing_from_hub(hub_id: str, what: str, exc: OSError) -> str | None:
+    """Why the hub gave no `what` of `hub_id`, where it has no such model or was not asked (offline);
+    None for other failures (a gated model, a broken file), which `exc` tells best."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    unreachable = _offline_reason(hub_id)
     if unreachable:
-        return ModelSpecError(
-            f"model spec {spec!r}: cannot load its {what}: not in the local cache, and {unreachable}"
-        )
-    return ModelSpecError(f"model spec {spec!r}: cannot load its {what}: {exc}")
+        return f"its {what} is not in the local cache, and {unreachable}"
+    if constants.HF_HUB_OFFLINE:
+        return f"its {what} is not in the local cache, and the hub is not asked (HF_HUB_OFFLINE is set)"
+    # huggingface_hub's error, or transformers' OSError raised from it; a gated model is one the hub has
+    error = exc if isinstance(exc, RepositoryNotFoundError) else exc.__cause__
+    if isinstance(error, RepositoryNotFoundError) and not isinstance(error, GatedRepoError):
+        return f"the hub has no model {hub_id}"
+    return None
 
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")

@@ -45,6 +45,7 @@ from llmrl.agents.base import failed_in_inference
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.rollouts.bank import Launch
 from llmrl.rollouts.source import AgentPipeline, AgentState
+from llmrl.stopping import abandonable
 from llmrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,8 @@ class PartialRolloutPipeline(AgentPipeline):
                 self._regenerate_stale(step)
                 if len(self._ready) >= self.num_groups:
                     break
-                self._condition.wait()
+                with abandonable():
+                    self._condition.wait()
             indices = list(self._ready)[: self.num_groups]
             groups = [self._ready.pop(k) for k in indices]
             for index in indices:

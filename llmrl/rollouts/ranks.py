@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from llmrl.rollouts.source import AgentState, RolloutSource
+from llmrl.stopping import StepAbandoned
 from llmrl.types import RolloutGroup
 
 
@@ -37,7 +38,12 @@ class BroadcastRollouts(RolloutSource):
         return self.pipeline.start(trained_step)
 
     def get(self, step: int) -> list[RolloutGroup]:
-        return self.ranks.broadcast_object(self.pipeline.get(step))
+        try:
+            groups = self.pipeline.get(step)
+        except StepAbandoned as abandoned:
+            self.ranks.broadcast_object(abandoned)  # in place of the batch: every rank abandons the step
+            raise
+        return self.ranks.broadcast_object(groups)
 
     def wait_ahead(self) -> None:
         self.pipeline.wait_ahead()
@@ -65,7 +71,10 @@ class ReceivedRollouts(RolloutSource):
         return 0
 
     def get(self, step: int) -> list[RolloutGroup]:
-        return self.ranks.broadcast_object()
+        received = self.ranks.broadcast_object()
+        if isinstance(received, StepAbandoned):
+            raise received
+        return received
 
     def wait_ahead(self) -> None:
         pass

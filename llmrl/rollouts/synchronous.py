@@ -11,6 +11,7 @@ from llmrl.errors import UserCodeError
 from llmrl.inference.interface import InferenceUnavailableError, run_in_new_loop
 from llmrl.rollouts.bank import BankedBatch
 from llmrl.rollouts.source import AgentPipeline
+from llmrl.stopping import abandonable
 from llmrl.types import RolloutGroup
 
 
@@ -64,7 +65,10 @@ class RolloutPipeline(AgentPipeline):
     def get(self, step: int) -> list[RolloutGroup]:
         """The groups of training step `step` (waits for their generation, or draws them with no lag)."""
         batch = self._batches.pop(step)
-        return self._draw(step) if batch is None else batch.result()
+        if batch is None:
+            return self._draw(step)
+        with abandonable():
+            return batch.result()
 
     def wait_ahead(self) -> None:
         """Wait until every submitted batch is complete (before the weights they use change); with
@@ -111,11 +115,12 @@ class RolloutPipeline(AgentPipeline):
         if self._refused is not None:  # drawn after a refused batch, this one would follow the wrong problems
             raise self._refused
         started = time.time()
-        groups = run_in_new_loop(
-            self.agents.group_rollouts(
-                self.inference, self.num_groups, self.group_size, self.generation_args(step)
+        with abandonable():  # drawn on the trainer's thread (no lag), the step waits here for its batch
+            groups = run_in_new_loop(
+                self.agents.group_rollouts(
+                    self.inference, self.num_groups, self.group_size, self.generation_args(step)
+                )
             )
-        )
         self._refused = self.checks.refusal(step, groups, started)
         if self._refused is not None:
             raise self._refused

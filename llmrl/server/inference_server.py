@@ -387,6 +387,7 @@ async def _refused(request: Request, exc: Exception) -> JSONResponse:
 def serve_inference(
     model_spec: str,
     *,
+    model_name: str | None = None,
     host: str = DEFAULT_HOST,
     port: int = 8000,
     api_key: str | None = None,
@@ -397,7 +398,9 @@ def serve_inference(
     max_concurrent: int = 64,
     weight_update: WeightUpdateMode = "wait",
 ) -> None:
-    """Load `model_spec` (on the GPU when there is one) and serve it until interrupted.
+    """Load `model_spec` (on the GPU when there is one) and serve it until interrupted, under the id
+    `model_name` (default: `model_spec`; ``llmrl serve-inference``'s ``--model``, where it loads a
+    folder that stands for the run or checkpoint named).
 
     The bearer token is `api_key`, else the ``LLMRL_API_KEY`` environment variable, else none.
     """
@@ -417,6 +420,9 @@ def serve_inference(
         owns_model=True,
     )
     app = create_inference_app(
-        engine, model_name=model_spec, api_key=resolve_api_key(api_key), weights_dir=weights_dir
+        engine,
+        model_name=model_name or model_spec,
+        api_key=resolve_api_key(api_key),
+        weights_dir=weights_dir,
     )
     run_server(app, host, port)

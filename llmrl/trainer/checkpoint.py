@@ -9,6 +9,8 @@ Layout of ``RUN_DIR/checkpoints/step_000020/``::
     trainer_state.pt    step, optimizer, RNG states, agent sampler cursors, evaluations (the LR
                         schedule is rebuilt from the step)
     config.yaml         the resolved run config
+    manifest.json       every other file's size and CRC-32, written last: the checkpoint is complete
+                        when its files match it (`checkpoint_problem`)
     sharded/            runs over several processes only: model and optimizer state written with
                         `torch.distributed.checkpoint` (each rank its shards); the optimizer is
                         here instead of in trainer_state.pt
@@ -23,10 +25,18 @@ Any checkpoint resumes with any number of processes: ``sharded/`` is resharded o
 one process), and a one-process checkpoint's optimizer state is keyed by parameter name and
 sharded when a multi-process run loads it (`load_optimizer`).
 
-A checkpoint is written into a hidden ``.tmp-...`` folder and renamed into place, so a folder named
-``step_*`` is always complete; leftovers of a killed write are removed on the next save, those of a
-failed one at once. Only the newest `keep_last` checkpoints are kept, pruned once the new one is in
-place.
+A checkpoint is written into a hidden ``.tmp-...`` folder, its manifest last, and renamed into place,
+so a folder named ``step_*`` was complete when it got its name; leftovers of a killed write are
+removed on the next save, those of a failed one at once. Only the newest `keep_last` checkpoints are
+kept, pruned once the new one is in place (each renamed to a hidden name before it is deleted, so
+that no reader finds a ``step_*`` folder half gone).
+
+What later tears a checkpoint (a disk that fails, a copy cut short, a file truncated by hand) is
+found before the checkpoint is trusted: `latest_checkpoint`, which resuming, ``llmrl eval`` and
+``llmrl export`` go through, takes the newest checkpoint whose files match its manifest, and names
+each newer torn one in one line and sets it aside as ``step_NNNNNN.torn`` (never deleted: its files
+may be recoverable). Checkpoints written before manifests existed have none and are trusted as they
+were: their folder names were given complete.
 
 A run folder's latest checkpoint is continued by a config that differs from the saved one only in
 `RESUMABLE_CHANGES` (`checkpoint_to_resume`; ``--resume`` accepts any change); a run that starts at
@@ -38,12 +48,16 @@ which rank, is `llmrl.trainer.checkpointer`'s choice.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +74,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llmrl.config import ConfigError, RunConfig
+from llmrl.errors import UserError
 from llmrl.files import move_into_place
 from llmrl.rollouts import BANK_FILE
 
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-"
+_TORN_SUFFIX = ".torn"
 TRAINER_STATE = "trainer_state.pt"
 MASTER_WEIGHTS = "master.safetensors"
 SHARDED_STATE = "sharded"
+MANIFEST = "manifest.json"
+_READ_CHUNK = 16 << 20
+
+log = logging.getLogger(__name__)
+
+
+class NoCompleteCheckpointError(UserError):
+    """Every checkpoint of a run folder is torn (set aside): none is left to resume or evaluate, and
+    starting over in the folder would replace the outputs of the steps they hold."""
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -75,22 +100,152 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run as (step, folder), oldest first."""
+    """The checkpoint folders of a run as (step, folder), oldest first, their files not checked
+    (`latest_checkpoint` checks them); torn ones set aside are not among them."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_FOLDER.match(child.name)
-        if match and (child / TRAINER_STATE).is_file():
-            found.append((int(match.group(1)), child))
+        step = checkpoint_step(child)
+        if step is not None:
+            found.append((step, child))
     return sorted(found)
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint of a run, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    """The newest complete checkpoint of a run, or None while it has none.
+
+    Newer ones whose files do not match their manifest are torn: each is named in one warning line
+    and set aside as ``step_NNNNNN.torn``. When torn ones were set aside (now or by an earlier
+    command) and no complete one remains, raises `NoCompleteCheckpointError` rather than answer None,
+    which would start the run over."""
+    for step, folder in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return step, folder
+        _set_aside(folder, problem)
+    root = checkpoints_dir(run_dir)
+    torn = sorted(path.name for path in root.glob(f"step_*{_TORN_SUFFIX}*")) if root.is_dir() else []
+    if torn:
+        raise NoCompleteCheckpointError(
+            f"{run_dir} has no complete checkpoint: the torn ones are set aside in {root} "
+            f"({', '.join(torn)}); move them out of it to train the run again from step 0, "
+            "or train into another run_dir"
+        )
+    return None
+
+
+def check_named_checkpoint(folder: Path) -> None:
+    """Refuse in one line a checkpoint named by its own folder whose files do not match its manifest;
+    it stays in place (it was asked for by name: `latest_checkpoint` sets torn ones aside)."""
+    problem = checkpoint_problem(folder)
+    if problem is not None:
+        raise UserError(
+            f"checkpoint {folder} is torn ({problem}); name its run folder for the newest complete checkpoint"
+        )
+
+
+def _set_aside(folder: Path, problem: str) -> None:
+    """Rename the torn checkpoint `folder` to ``step_NNNNNN.torn`` (``.torn-2``, ... when taken), out
+    of every listing, and say so in one line."""
+    aside = folder.with_name(folder.name + _TORN_SUFFIX)
+    copies = 1
+    while aside.exists():
+        copies += 1
+        aside = folder.with_name(f"{folder.name}{_TORN_SUFFIX}-{copies}")
+    try:
+        os.replace(folder, aside)
+    except FileNotFoundError:
+        # Gone while it was read: a live run pruned it, or another process (a rank of the same
+        # torchrun job) set it aside first.
+        return
+    log.warning("checkpoint %s is torn (%s): set aside as %s", folder, problem, aside.name)
+
+
+# ---- The manifest: what a complete checkpoint's files are ---------------------------------------------
+
+
+FileRecords = dict[str, dict[str, Any]]
+"""A manifest's records: a file's path in the checkpoint -> its ``bytes`` and ``crc32``."""
+
+
+def write_manifest(folder: Path, summed: FileRecords | None = None) -> None:
+    """Record the size and CRC-32 of every file in the written checkpoint `folder`, as its last file;
+    those of `summed` are taken as they are (a sharded checkpoint's shards, summed by every rank).
+
+    CRC-32 (zlib's) for speed: a checkpoint's files are read back once more to be summed at every
+    save and once at every resume, multi-GB each, and CRC-32 reads faster than a cryptographic hash
+    (see docs/training.md); it is there to find accidental damage, which it does, not tampering."""
+    summed = summed or {}
+    unsummed = [path for path in _files(folder) if path.relative_to(folder).as_posix() not in summed]
+    files = summed | _records(folder, unsummed)
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
+
+
+def shard_records(folder: Path, rank: int, ranks: int) -> FileRecords:
+    """This rank's share of the records of the checkpoint `folder`'s ``sharded/`` files: every
+    `ranks`-th in name order from the `rank`-th on. Every rank sums its share once the shards are
+    written, so that the rank writing the manifest does not read them all alone."""
+    return _records(folder, _files(folder / SHARDED_STATE)[rank::ranks])
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.rglob("*") if path.is_file())
+
+
+def _records(folder: Path, files: list[Path]) -> FileRecords:
+    return {
+        path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+        for path in files
+    }
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """What tears the checkpoint `folder`, in words naming the file (unreadable manifest; a file
+    missing, of another size or another checksum), or None when its files match its manifest, or it
+    has none (written before manifests: trusted, as its folder name was given complete). Sizes are
+    compared first, which reads no file: a truncated file is found at once."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        expected = {name: (int(entry["bytes"]), entry["crc32"]) for name, entry in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a bad UTF-8 byte is a ValueError
+        return f"{MANIFEST} is unreadable: {exc!r}"
+    for name, (size, _) in expected.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size:,} bytes, its manifest says {size:,}"
+    for name, (_, crc) in expected.items():
+        try:
+            if _crc32(folder / name) != crc:
+                return f"{name} does not match its manifest's CRC-32"
+        except FileNotFoundError:  # since its size was read: a live run pruned the checkpoint
+            return f"{name} is missing"
+    return None
+
+
+def _crc32(path: Path) -> str:
+    stat = path.stat()
+    return _crc32_of(path.resolve(), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _crc32_of(path: Path, inode: int, size: int, mtime_ns: int) -> str:
+    """The file's CRC-32 as 8 hex digits. Cached by the file's identity and version: a checkpoint
+    checked twice in one command (``llmrl export`` of a run looks for a LoRA checkpoint, then for a
+    full one) is read once while its files stay as they were."""
+    crc = 0
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb") as file:
+        while read := file.readinto(buffer):
+            crc = zlib.crc32(view[:read], crc)
+    return f"{crc:08x}"
 
 
 # ---- Resuming: which config changes a resume accepts, and what a fresh start clears ----------------
@@ -268,15 +423,26 @@ def write_run_state(temp: Path, *, trainer_state: dict[str, Any], config_yaml: s
     (temp / "config.yaml").write_text(config_yaml)
 
 
-def finish_checkpoint(run_dir: str | Path, step: int, temp: Path, *, keep_last: int) -> Path:
-    """Move the written `temp` folder into place as the checkpoint of `step`; keep the newest `keep_last`."""
+def finish_checkpoint(
+    run_dir: str | Path, step: int, temp: Path, *, keep_last: int, summed: FileRecords | None = None
+) -> Path:
+    """Write the manifest of the written `temp` folder (`summed`: records of files already summed) and
+    move it into place as the checkpoint of `step`; keep the newest `keep_last`. Every mode finishes
+    its checkpoints here, on the rank that writes them, once every rank's files are written (the
+    manifest covers the shards too)."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
+    write_manifest(temp, summed)
     _fsync_tree(temp)
     move_into_place(temp, final)  # re-saving a step after a resume: the new copy replaces the old one
     _fsync_dir(root)
+    # The new checkpoint is the newest (a resume starts from the newest complete one, torn newer ones
+    # set aside), so pruning keeps it whatever `keep_last` (at least 1) is.
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        pruned = root / f"{_TEMP_PREFIX}pruned-{old.name}-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):  # a reader found it torn and set it aside
+            os.replace(old, pruned)  # a kill during the delete leaves a leftover the next save removes
+        shutil.rmtree(pruned, ignore_errors=True)
     return final
 
 
@@ -380,20 +546,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def resolve_model_folder(path: str | Path) -> Path | None:
-    """The Hugging Face model folder inside a checkpoint or run folder (its latest checkpoint), if any
-    (a LoRA checkpoint has none: its adapter stands on the run's base model)."""
+    """The Hugging Face model folder inside a checkpoint (refused when torn) or run folder (its latest
+    complete checkpoint), if any (a LoRA checkpoint has none: its adapter stands on the run's base
+    model)."""
     path = Path(path)
     if (path / "model" / "config.json").is_file():
+        check_named_checkpoint(path)
         return path / "model"
     latest = latest_checkpoint(path)
     return latest[1] / "model" if latest and (latest[1] / "model" / "config.json").is_file() else None
 
 
 def checkpoint_step(folder: str | Path) -> int | None:
-    """The step of a complete checkpoint folder (``step_NNNNNN`` with its trainer state), else None."""
+    """The step of a checkpoint folder (``step_NNNNNN`` with its manifest, or before manifests its
+    trainer state), else None; its files are not checked (`checkpoint_problem`)."""
     folder = Path(folder)
     match = _STEP_FOLDER.match(folder.name)
-    return int(match.group(1)) if match and (folder / TRAINER_STATE).is_file() else None
+    is_checkpoint = (folder / MANIFEST).is_file() or (folder / TRAINER_STATE).is_file()
+    return int(match.group(1)) if match and is_checkpoint else None
 
 
 def checkpoint_run_dir(checkpoint: str | Path) -> Path | None:

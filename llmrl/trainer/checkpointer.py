@@ -6,7 +6,9 @@ with one call whatever the mode: one process writes its full weights itself; FSD
 by every rank (``sharded/``) while rank 0 writes the Hugging Face folder from weights gathered bucket
 by bucket; a LoRA run saves its adapters alone, gathered whole and written by rank 0 from any number
 of processes. The checkpointer decides what its rank does (who writes, who waits for whom), and adds
-to the loop's own state what it restores itself: the global RNG states and the optimizer.
+to the loop's own state what it restores itself: the global RNG states and the optimizer. Which
+checkpoint a run resumes from is rank 0's choice alone (`resume_point`): it checks the files and sets
+torn checkpoints aside.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 import torch
 
 from llmrl.config import RunConfig, dump_config
+from llmrl.errors import UserError
 from llmrl.files import os_error_behind
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.distributed import Distributed
+from llmrl.trainer.distributed import Distributed, OneProcess
 from llmrl.trainer.lora import ADAPTER_FOLDER
 from llmrl.trainer.policy import PolicyModels
 from llmrl.trainer.run_folder import write_failure
@@ -87,8 +90,10 @@ class Checkpointer(ABC):
     ) -> dict[str, Any]:
         return trainer_state() | {"rng": ckpt.rng_state()} | optimizer
 
-    def _finish(self, step: int, temp: Path) -> None:
-        ckpt.finish_checkpoint(self.run_dir, step, temp, keep_last=self.config.checkpoint.keep_last)
+    def _finish(self, step: int, temp: Path, summed: ckpt.FileRecords | None = None) -> None:
+        ckpt.finish_checkpoint(
+            self.run_dir, step, temp, keep_last=self.config.checkpoint.keep_last, summed=summed
+        )
 
 
 class FullCheckpointer(Checkpointer):
@@ -113,7 +118,8 @@ class FullCheckpointer(Checkpointer):
 
 class ShardedCheckpointer(Checkpointer):
     """Several processes, every weight trained: every rank writes its shards of the model and
-    optimizer; rank 0 writes the Hugging Face folder (gathered weights), the rest, and renames."""
+    optimizer, and sums its share of them for the manifest; rank 0 writes the Hugging Face folder
+    (gathered weights), the rest, and renames."""
 
     def _write(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         distributed, models = self.distributed, self.models
@@ -134,6 +140,10 @@ class ShardedCheckpointer(Checkpointer):
         )
         save_optimizer = self.config.checkpoint.save_optimizer
         ckpt.save_sharded(temp, models.policy, self.optimizer if save_optimizer else None)
+        shares = distributed.all_gather_object(
+            ckpt.shard_records(temp, distributed.rank, distributed.world_size)
+        )
+        summed = {name: record for share in shares for name, record in share.items()}
         if self.writes:
             ckpt.write_checkpoint_files(
                 temp,
@@ -146,7 +156,7 @@ class ShardedCheckpointer(Checkpointer):
                 model_state=weights,
                 dtype=models.compute_dtype,
             )
-            self._finish(step, temp)
+            self._finish(step, temp, summed)
         distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
 
 
@@ -176,6 +186,25 @@ class AdapterCheckpointer(Checkpointer):
             self._finish(step, temp)
         if self.distributed is not None:
             self.distributed.barrier()  # nobody goes on (or resumes) before the checkpoint is in place
+
+
+def resume_point(
+    config: RunConfig, force: bool, processes: Distributed | OneProcess
+) -> tuple[int, Path] | None:
+    """The checkpoint this run continues from (`ckpt.checkpoint_to_resume`), or None to start at step 0.
+
+    Rank 0 chooses, reading the checkpoints' files once and setting torn ones aside without another
+    rank renaming them under it; every rank gets its choice, or the error that refuses the resume."""
+    choice: tuple[int, Path] | UserError | None = None
+    if processes.is_main:
+        try:
+            choice = ckpt.checkpoint_to_resume(config, force)
+        except UserError as refusal:
+            choice = refusal
+    choice = processes.broadcast_object(choice)
+    if isinstance(choice, UserError):
+        raise choice
+    return choice
 
 
 def checkpointer_for(

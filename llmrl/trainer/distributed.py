@@ -279,10 +279,6 @@ class Distributed:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
-    def any(self, flag: bool) -> bool:
-        """Whether `flag` is set on any rank."""
-        return self.max_count(int(flag)) > 0
-
     def barrier(self) -> None:
         dist.barrier()
 
@@ -313,8 +309,8 @@ class OneProcess:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
-    def any(self, flag: bool) -> bool:
-        return flag
+    def max_count(self, count: int) -> int:
+        return count
 
     def barrier(self) -> None:
         pass

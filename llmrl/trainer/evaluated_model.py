@@ -1,7 +1,8 @@
 """What `llmrl eval` evaluates, told in one line, and where its results go.
 
-Anything a run produced can be evaluated: a run folder stands for its latest checkpoint; a
-checkpoint for its ``model/`` folder or, in a LoRA run, its ``adapter/`` merged onto the run's base
+Anything a run produced can be evaluated: a run folder stands for its latest complete checkpoint
+(torn newer ones are set aside: `llmrl.trainer.checkpoint.latest_checkpoint`); a checkpoint (refused
+when torn) for its ``model/`` folder or, in a LoRA run, its ``adapter/`` merged onto the run's base
 model (the checkpoint config's `model.spec`); a PEFT adapter folder for itself merged onto its base
 (inside a checkpoint, the checkpoint's base; elsewhere its ``base_model_name_or_path``). Any other
 folder is a Hugging Face model folder (an export), and anything else a model spec (``tiny://NAME``,
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrl.config import ModelConfig, load_config
+from llmrl.config import ConfigError, ModelConfig, RunConfig, load_config, training_hint
 from llmrl.errors import UserError
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.lora import ADAPTER_FOLDER, merge_adapter
@@ -87,7 +88,7 @@ class EvaluatedModel:
 
 def find_evaluated_model(path_or_spec: str) -> EvaluatedModel:
     """The model a run, checkpoint, adapter or model folder, or a model spec stands for."""
-    path = Path(path_or_spec)
+    path = Path(path_or_spec).expanduser()
     if not path.is_dir():
         return EvaluatedModel(description=path_or_spec, name=path_or_spec, spec=path_or_spec)
     if path.name in (ADAPTER_FOLDER, "model") and ckpt.checkpoint_step(path.parent) is not None:
@@ -104,11 +105,32 @@ def find_evaluated_model(path_or_spec: str) -> EvaluatedModel:
             description=f"{path_or_spec} (Hugging Face model folder)", name=path_or_spec, spec=path_or_spec
         )
     if (path / "config.yaml").is_file():
-        raise UserError(f"{path_or_spec}: this run folder has no checkpoint yet")
+        raise UserError(f"{path_or_spec}: this run folder has no checkpoint yet{training_hint(path)}")
     raise UserError(
         f"{path_or_spec}: not a run or checkpoint folder, a LoRA adapter folder ({ADAPTER_CONFIG}) "
         "or a Hugging Face model folder (config.json)"
     )
+
+
+def with_model_folder(config: RunConfig) -> RunConfig:
+    """`config` with a run or checkpoint `model.spec` replaced by the model folder it stands for (a run
+    folder: its latest checkpoint's), so that all that loads the model (the policy, its KL reference,
+    the inference engine, the agents' tokenizers) and the run's resumes start from the same weights,
+    even while that run trains on. A LoRA checkpoint is refused: its merged model would have to outlive
+    the run, so it is written by `llmrl export` first."""
+    spec = config.model.spec
+    if not Path(spec).expanduser().is_dir():
+        return config
+    try:
+        model = find_evaluated_model(spec)
+    except UserError as error:
+        raise ConfigError(f"model.spec: {error}") from None
+    if model.adapter is not None:
+        raise ConfigError(
+            f"model.spec: {spec} holds a LoRA adapter, not a whole model to start from: write it merged onto "
+            f"its base ({model.spec}) with `llmrl export {spec} FOLDER` and set model.spec to FOLDER"
+        )
+    return config.model_copy(update={"model": config.model.model_copy(update={"spec": model.spec})})
 
 
 def run_model(run_dir: str | Path, untrained_spec: str) -> EvaluatedModel:
@@ -134,7 +156,10 @@ def run_model(run_dir: str | Path, untrained_spec: str) -> EvaluatedModel:
 def _checkpoint_model(
     name: str, checkpoint: Path, *, latest: bool, owner: str | None = None, note: str | None = None
 ) -> EvaluatedModel:
-    """The checkpoint's model, described as `owner`'s (default: `name`) with a last `note`."""
+    """The checkpoint's model, described as `owner`'s (default: `name`) with a last `note`; one named by
+    its folder (not `latest`, which is checked) is refused when torn."""
+    if not latest:
+        ckpt.check_named_checkpoint(checkpoint)
     details = [f"checkpoint step {ckpt.checkpoint_step(checkpoint)}" + (", its latest" if latest else "")]
     adapter = checkpoint / ADAPTER_FOLDER
     if (adapter / ADAPTER_CONFIG).is_file():

@@ -120,10 +120,12 @@ def adapter_sizes(model: torch.nn.Module, lora: LoraConfig) -> tuple[int, int]:
 
 
 def adapter_checkpoint(path: Path) -> Path | None:
-    """The LoRA checkpoint a checkpoint or run folder (its latest checkpoint) stands for, if any."""
-    from llmrl.trainer.checkpoint import latest_checkpoint
+    """The LoRA checkpoint a checkpoint (refused when torn) or run folder (its latest complete
+    checkpoint) stands for, if any."""
+    from llmrl.trainer.checkpoint import check_named_checkpoint, latest_checkpoint
 
     if (path / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file():
+        check_named_checkpoint(path)
         return path
     latest = latest_checkpoint(path) if path.is_dir() else None
     return latest[1] if latest and (latest[1] / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file() else None

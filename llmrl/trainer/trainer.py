@@ -11,7 +11,8 @@ with evaluation at the start, every `evaluation.every` steps and at the end, and
 `checkpoint.every` steps and at the end. A run folder that already holds a checkpoint of the same
 config is resumed from it; see `llmrl.trainer.checkpoint` for what is saved. A run holds its folder
 while it trains, so that a second one into it stops at once, and stops with one line, its last
-checkpoint intact, when the folder cannot be written (`llmrl.trainer.run_folder`). Resumed runs end with
+checkpoint intact, when the folder cannot be written (`llmrl.trainer.run_folder`). SIGINT, SIGTERM and
+SIGHUP stop it after a checkpoint (`_stop_on_signals`, `llmrl.stopping`). Resumed runs end with
 the same weights as uninterrupted ones: every random choice is derived from `config.seed` and the
 step (generation seeds per request, mini-batch order), and the rest of the state is checkpointed.
 
@@ -54,9 +55,11 @@ from llmrl.inference import InferenceInterface, build_inference
 from llmrl.registry import import_plugins
 from llmrl.rollouts import RolloutSource, prepare_batch, rollout_metrics, rollout_source, staleness_metrics
 from llmrl.seeding import derive_seed
+from llmrl.stopping import STOP_SIGNALS, StepAbandoned, StoppedBySignal, stop_abandons_steps
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.checkpointer import checkpointer_for
+from llmrl.trainer.checkpointer import checkpointer_for, resume_point
 from llmrl.trainer.distributed import Distributed, OneProcess
+from llmrl.trainer.evaluated_model import with_model_folder
 from llmrl.trainer.evaluator import Evaluator
 from llmrl.trainer.memory import GB, PeakMemory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer, fast_forward
@@ -92,7 +95,8 @@ class Trainer:
                 fields that alter training (the default resumes only an identical config).
             progress_stream: where the progress display writes (default: stdout).
         """
-        self.config = config
+        # A run or checkpoint folder as model.spec stands for its model folder, pinned for the resumes.
+        config = self.config = with_model_folder(config)
         self.run_dir = Path(config.run_dir)
         self.progress_stream = progress_stream
         import_plugins(config.plugins)
@@ -144,7 +148,7 @@ class Trainer:
             self.run_lock.release()
 
     def _build(self, config: RunConfig, device: str, resume: bool) -> None:
-        checkpoint = ckpt.checkpoint_to_resume(config, resume)
+        checkpoint = resume_point(config, resume, self.processes)
         if checkpoint and checkpoint[0] > config.training.steps:
             raise AlreadyTrainedError(
                 f"{config.run_dir} already ran {checkpoint[0]} steps (training.steps={config.training.steps}): "
@@ -188,6 +192,7 @@ class Trainer:
             self._restore(checkpoint[1])
         else:
             self.outputs.clear()
+        self.saved_step = self.step  # the run folder holds this step's state: a new run's is its start
         # The inference side may hold other weights (a server kept from an earlier run, or ahead of
         # this checkpoint after a crash): it serves this policy, as this run's version, from the start.
         self.weight_sync.sync(self.step, reset=True)
@@ -251,19 +256,19 @@ class Trainer:
         with ExitStack() as stack:
             display, stop_requested = self._start(stack)
             while self.step < steps:
-                metrics = self._train_step(self.step + 1)
+                metrics = self._train_or_abandon_step(display)
                 self.step += 1
                 if self.evaluator.due_after(self.step, steps):
                     metrics |= self.evaluator.evaluate(self.step, self.inference)
                     display.message(self.evaluator.line(self.step))
                 self.outputs.log(self.step, metrics)
                 display.update(self.step, metrics)
-                stop = stop_requested()
-                if self.checkpointer.due(self.step, steps) or stop:
+                stop_signal = stop_requested()
+                if self.checkpointer.due(self.step, steps) or stop_signal:
                     self._save()
-                if stop:
-                    display.message(f"stopped after step {self.step}; running the same command again resumes")
-                    raise KeyboardInterrupt
+                if stop_signal:
+                    display.message(_stopped_after(self.step))
+                    raise StoppedBySignal(stop_signal)
                 self.rollouts.submit_ahead(self.step)  # the batches these weights are to generate
             if self.evaluator.missing_at_end(self.step):  # e.g. steps: 0
                 self.outputs.log(self.step, self.evaluator.evaluate(self.step, self.inference))
@@ -271,9 +276,9 @@ class Trainer:
             self.processes.barrier()  # rank 0's last evaluation may use other processes' engines
             return self._finish()
 
-    def _start(self, stack: ExitStack) -> tuple[ProgressDisplay, Callable[[], bool]]:
+    def _start(self, stack: ExitStack) -> tuple[ProgressDisplay, Callable[[], int]]:
         """What the run holds until it ends, onto `stack`; returns the progress display and the
-        function that says whether a stop was asked for."""
+        function that gives the signal that asked for a stop (0 while none did)."""
         config, steps = self.config, self.config.training.steps
         stack.push(self._leave_process_group)  # last, whatever happens
         stack.callback(self._release_run_dir)  # once nothing writes the run folder any more
@@ -309,15 +314,40 @@ class Trainer:
         # After an error the other ranks may never get to a barrier: only a clean finish waits for them.
         self.processes.close(wait=error_type is None)
 
-    def _stop_requests(self, stack: ExitStack, display: ProgressDisplay) -> Callable[[], bool]:
-        """Whether a stop was asked for (Ctrl-C). Over several processes, a stop asked for on any rank
-        (each sees its own Ctrl-C) is agreed on by all at the same step, so that they save and stop
-        together; every Ctrl-C reaches a worker twice (from the terminal, then forwarded by torchrun)."""
+    def _stop_requests(self, stack: ExitStack, display: ProgressDisplay) -> Callable[[], int]:
+        """The function that gives the signal that asked for a stop (SIGINT, SIGTERM, SIGHUP), 0 while
+        none did. Over several processes, a signal on any rank is agreed on by all at the same step (the
+        largest signal number, if ranks saw different ones), so that they save and stop together: torchrun
+        forwards each signal to every worker, and a terminal's Ctrl-C reaches a worker twice (from the
+        terminal, then forwarded by torchrun)."""
         processes = self.processes
-        requested = stack.enter_context(
-            _stop_after_step_on_interrupt(display, second_stops_at_once=processes.world_size == 1)
+        received = stack.enter_context(
+            _stop_on_signals(
+                display,
+                save_now=self.config.checkpoint.on_signal == "save_now",
+                second_stops_at_once=processes.world_size == 1,
+            )
         )
-        return lambda: processes.any(requested())
+        return lambda: processes.max_count(received())
+
+    def _train_or_abandon_step(self, display: ProgressDisplay) -> dict[str, float]:
+        """`_train_step` of the next step. A stop that abandons it (`StepAbandoned`: it still waited for
+        its rollouts) saves the last finished step as that step ended, and stops."""
+        # The global RNG states as the last step left them: the wait for rollouts may draw from them
+        # (an agent's or reward function's `random`), and an abandoned step must leave no trace.
+        rng_after_last_step = ckpt.rng_state() if self.config.checkpoint.on_signal == "save_now" else None
+        try:
+            return self._train_step(self.step + 1)
+        except StepAbandoned as abandoned:
+            display.message(
+                f"{abandoned.name}: step {self.step + 1} abandoned before its update; "
+                f"saving a checkpoint of step {self.step}"
+            )
+            if rng_after_last_step is not None and self.saved_step != self.step:
+                ckpt.set_rng_state(rng_after_last_step)
+                self._save()
+            display.message(_stopped_after(self.step))
+            raise StoppedBySignal(abandoned.signum) from None
 
     def _train_step(self, step: int) -> dict[str, float]:
         training, tracer, started = self.config.training, self.outputs.tracer, time.perf_counter()
@@ -390,6 +420,7 @@ class Trainer:
         with self.outputs.tracer.span("checkpoint", step=self.step):
             self.checkpointer.save(self.step, self._state)
         self.outputs.checkpointed(self.step)
+        self.saved_step = self.step
 
     def _state(self) -> dict[str, Any]:
         """The loop's own state for a checkpoint (the checkpointer adds the RNG and optimizer
@@ -422,35 +453,48 @@ def _step_schedule(schedule: torch.optim.lr_scheduler.LRScheduler) -> None:
         schedule.step()
 
 
-@contextlib.contextmanager
-def _stop_after_step_on_interrupt(
-    display: ProgressDisplay, *, second_stops_at_once: bool = True
-) -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C into "finish this step, save, stop"; a second one stops at once (unless
-    `second_stops_at_once` is False: then torchrun's kill after its grace period is the hard stop).
+def _stopped_after(step: int) -> str:
+    return f"stopped after step {step}; running the same command again resumes"
 
-    Yields the function that says whether a stop was asked for. Off the main thread (where Python
-    delivers signals) Ctrl-C keeps its usual effect.
+
+@contextlib.contextmanager
+def _stop_on_signals(
+    display: ProgressDisplay, *, save_now: bool, second_stops_at_once: bool = True
+) -> Iterator[Callable[[], int]]:
+    """Turn the first SIGINT, SIGTERM or SIGHUP into "finish this step, save, stop" (with `save_now`, a
+    step still waiting for its rollouts is abandoned instead: `llmrl.stopping`); a second one stops at
+    once (unless `second_stops_at_once` is False: then torchrun's kill after its grace period is the
+    hard stop).
+
+    Yields the function that gives the signal that asked for a stop, 0 while none did. Off the main
+    thread (where Python delivers signals) the signals keep their usual effect.
     """
-    requested = threading.Event()
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield requested.is_set
+        yield lambda: 0
         return
 
-    def on_interrupt(signum: int, frame: Any) -> None:
-        if requested.is_set():
-            if second_stops_at_once:
-                raise KeyboardInterrupt
-            return
-        requested.set()
-        again = " (Ctrl-C again stops at once)" if second_stops_at_once else ""
-        display.message(f"Ctrl-C: stopping after this step and saving a checkpoint{again}")
+    with stop_abandons_steps() as abandon:
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
-    try:
-        yield requested.is_set
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        def on_signal(signum: int, frame: Any) -> None:
+            if received:
+                if second_stops_at_once:
+                    raise StoppedBySignal(signum)
+                return
+            received.append(signum)
+            if save_now:
+                abandon(signum)  # raises where the step waits for its rollouts, and the loop says so
+            name = signal.Signals(signum).name
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            hint = f" ({again} again stops at once)" if second_stops_at_once else ""
+            display.message(f"{name}: stopping after this step and saving a checkpoint{hint}")
+
+        previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+        try:
+            yield lambda: received[0] if received else 0
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from llmrl.telemetry import read_metrics
 from tests.integration.test_distributed import assert_close_weights, losses, weights
@@ -56,3 +57,12 @@ def test_two_processes_distill_like_one(tmp_path, teacher):
     top_k = [reverse_kls(tmp_path / str(processes), "train/teacher_kl") for processes in (1, 2)]
     assert top_k[1] == pytest.approx(top_k[0], rel=1e-5, abs=1e-7) and min(top_k[0]) > 1e-3
     assert_close_weights(weights(tmp_path / "2"), weights(tmp_path / "1"))
+
+
+def test_a_run_folder_as_model_spec_starts_from_its_latest_checkpoint_also_when_resumed(tmp_path, teacher):
+    settings = [f"model.spec={teacher}", *NO_EVALUATION]
+    train(tmp_path / "next", "training.steps=1", *settings)
+    saved = yaml.safe_load(next((tmp_path / "next" / "checkpoints").glob("step_*/config.yaml")).read_text())
+    assert saved["model"]["spec"] == str(teacher / "checkpoints" / "step_000002" / "model")
+    train(tmp_path / "next", "training.steps=2", *settings)  # the same spec resumes: it names the same folder
+    assert [row["step"] for row in read_metrics(tmp_path / "next" / "metrics.jsonl")] == [1, 2]

@@ -188,9 +188,36 @@ def test_resume_with_another_number_of_processes(runs, tmp_path, written_by, res
     assert losses(interrupted) == pytest.approx(losses(runs[written_by]), rel=1e-5, abs=1e-7)
 
 
-def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_path):
-    """Ctrl-C in a terminal signals torchrun and every worker (one process group); torchrun forwards it."""
+def test_a_torn_shard_sends_every_rank_back_to_the_checkpoint_before(runs, tmp_path):
+    """The manifest covers every rank's shards; rank 0 alone checks them and sets the torn checkpoint aside."""
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(runs[2], interrupted)
+    shards = sorted((interrupted / "checkpoints" / f"step_{STEPS:06d}" / "sharded").glob("*.distcp"))
+    os.truncate(shards[-1], shards[-1].stat().st_size // 2)
+    result = train(interrupted, 2)
+    output = result.stdout + result.stderr
+    assert output.count(" is torn (") == 1 and f"(sharded/{shards[-1].name} has " in output
+    assert "from its checkpoint at step 2" in result.stdout
+    assert (interrupted / "checkpoints" / f"step_{STEPS:06d}.torn").is_dir()
+    assert_close_weights(weights(interrupted), weights(runs[2]))
+
+
+@pytest.mark.parametrize(
+    ("signum", "to_every_process", "on_signal"),
+    [
+        # A terminal sends Ctrl-C to torchrun and every worker (one process group); torchrun forwards it.
+        pytest.param(signal.SIGINT, True, "finish_step", id="ctrl-c"),
+        # SLURM, Kubernetes and `docker stop` send SIGTERM to torchrun, which forwards it to each worker.
+        pytest.param(signal.SIGTERM, False, "finish_step", id="sigterm"),
+        # Rank 0 abandons the step if it still waits for its rollouts, and tells the others so.
+        pytest.param(signal.SIGTERM, False, "save_now", id="sigterm-save-now"),
+    ],
+)
+def test_a_signal_stops_every_process_after_one_saved_step_and_the_rerun_matches(
+    runs, tmp_path, signum, to_every_process, on_signal
+):
     run = tmp_path / "run"
+    settings = ["checkpoint.every=0", f"checkpoint.on_signal={on_signal}"]
     argv = [
         sys.executable,
         "-m",
@@ -200,13 +227,7 @@ def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_pa
         "-m",
         "llmrl",
         "train",
-        *[a for s in SETTINGS for a in ("--set", s)],
-        "--set",
-        "training.steps=1000",
-        "--set",
-        "checkpoint.every=0",
-        "--set",
-        f"run_dir={run}",
+        *[a for s in [*SETTINGS, *settings, f"run_dir={run}"] for a in ("--set", s)],
     ]
     process = subprocess.Popen(
         argv,
@@ -217,17 +238,29 @@ def test_ctrl_c_stops_every_process_after_one_saved_step(tmp_path, tiny_model_pa
         start_new_session=True,
     )
     deadline = time.monotonic() + 120
-    while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 2:
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 1:
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGINT)
+    if to_every_process:
+        os.killpg(process.pid, signum)
+    else:
+        os.kill(process.pid, signum)
     output, _ = process.communicate(timeout=120)
     assert "terminate called" not in output, output[-4000:]
     saved = [int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")]
-    assert len(saved) == 1 and saved[0] >= 2, output[-4000:]
+    assert len(saved) == 1 and 1 <= saved[0] < STEPS, output[-4000:]
     assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]
     assert (run / "checkpoints" / f"step_{saved[0]:06d}" / "sharded").is_dir()
     assert not list((run / "checkpoints").glob(".tmp-*"))
+    name = signal.Signals(signum).name
+    assert f"{name}: stopping after this step" in output or f"{name}: step {saved[0] + 1} abandoned" in output
+
+    result = train(run, 2, *settings)
+    assert f"from its checkpoint at step {saved[0]}" in result.stdout
+    expected, actual = weights(runs[2]), weights(run)
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), key
+    assert losses(run) == losses(runs[2])
 
 
 # The rate: a weight whose gradient is about Adam's epsilon (A's, once B has moved off zero) moves by a
@@ -255,7 +288,12 @@ def test_lora_over_two_processes_trains_like_one(lora_runs):
     assert all(row["sync/bytes"] == one[0]["sync/bytes"] for row in two)  # the adapters alone
     assert_close_weights(adapter(lora_runs[2]), adapter(lora_runs[1]))
     checkpoint = lora_runs[2] / "checkpoints" / f"step_{STEPS:06d}"
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["adapter", "config.yaml", "trainer_state.pt"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "adapter",
+        "config.yaml",
+        "manifest.json",
+        "trainer_state.pt",
+    ]
     optimizers = [
         torch.load(lora_runs[n] / "checkpoints" / f"step_{STEPS:06d}" / "trainer_state.pt")["optimizer"]
         for n in (1, 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,18 @@ def test_evaluations_of_different_things_do_not_overwrite_each_other(runs, capsy
     assert len(set(reports)) == 3  # each file still holds its own model's results
     explicit = tmp_path / "out" / "mine.json"
     assert evaluate(capsys, "--model", "tiny://arithmetic", "--output", str(explicit))[1] == explicit
+
+
+def test_a_run_whose_newest_checkpoint_is_torn_is_evaluated_at_the_one_before(runs, capsys, caplog, tmp_path):
+    run = tmp_path / "full"
+    shutil.copytree(runs["full"], run)
+    weights = run / "checkpoints" / "step_000002" / "model" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with caplog.at_level("WARNING", logger="llmrl.trainer.checkpoint"):
+        line, written, report = evaluate(capsys, "--model", str(run))
+    [torn] = [record.getMessage() for record in caplog.records if record.name == "llmrl.trainer.checkpoint"]
+    assert "step_000002 is torn (model/model.safetensors has " in torn
+    assert line.startswith(f"evaluating {run} (checkpoint step 1, its latest)")
+    assert written == run / "eval-step_000001.json"
+    assert report["checkpoint"] == str(run / "checkpoints" / "step_000001")
+    assert (run / "checkpoints" / "step_000002.torn").is_dir()

@@ -54,7 +54,12 @@ def test_a_lora_run_syncs_and_saves_the_adapter_alone_and_resumes_exactly(tmp_pa
         assert abs(row["train/mismatch_kl"]) < 1e-4  # the engine serves the merged adapter
     assert rows[0]["train/ref_kl"] == 0 < rows[-1]["train/ref_kl"]  # B starts at zero: the policy is the base
     folder = whole / "checkpoints" / "step_000004"
-    assert sorted(p.name for p in folder.iterdir()) == ["adapter", "config.yaml", "trainer_state.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter",
+        "config.yaml",
+        "manifest.json",
+        "trainer_state.pt",
+    ]
 
     resumed = tmp_path / "resumed"
     train(resumed, "training.steps=2", "checkpoint.every=2")

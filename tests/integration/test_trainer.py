@@ -3,6 +3,7 @@ numbers."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from llmrl.config import load_config
 from llmrl.inference import Health
 from llmrl.inference.interface import InferenceUnavailableError
 from llmrl.rollouts import RolloutBank
+from llmrl.stopping import StoppedBySignal
 from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
 
@@ -37,9 +39,13 @@ QUICK = [
 ]
 
 
-def train(run_dir: Path, *overrides: str) -> dict:
+def build_trainer(run_dir: Path, *overrides: str) -> Trainer:
     config = load_config(None, [f"run_dir={run_dir}", *QUICK, *overrides])
-    return Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
+    return Trainer(config, progress_stream=open(os.devnull, "w"))  # noqa: SIM115
+
+
+def train(run_dir: Path, *overrides: str) -> dict:
+    return build_trainer(run_dir, *overrides).run()
 
 
 def llmrl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -242,6 +248,54 @@ def test_a_changed_config_does_not_resume_silently(tmp_path, tiny_model_path):
     assert forced.step == 2
 
 
+THREE_CHECKPOINTED_STEPS = [
+    "training.steps=3",
+    "checkpoint.every=1",
+    "evaluation.at_start=false",
+    "evaluation.at_end=false",
+]
+
+
+@pytest.mark.parametrize("torn_file", ["trainer_state.pt", "model/model.safetensors"])
+def test_a_torn_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+    tmp_path, tiny_model_path, caplog, torn_file
+):
+    train(tmp_path, *THREE_CHECKPOINTED_STEPS)
+    newest = tmp_path / "checkpoints" / "step_000003"
+    # Copies: the loaded tensors map the file, which is truncated next.
+    uninterrupted = {name: t.clone() for name, t in load_file(newest / "model" / "model.safetensors").items()}
+    losses = [row.get("train/loss") for row in read_metrics(tmp_path / "metrics.jsonl")]
+    torn = newest / torn_file
+    torn_size = torn.stat().st_size // 2
+    os.truncate(torn, torn_size)
+
+    with caplog.at_level("WARNING", logger="llmrl.trainer.checkpoint"):
+        resumed = build_trainer(tmp_path, *THREE_CHECKPOINTED_STEPS)
+    [line] = [record.getMessage() for record in caplog.records if record.name == "llmrl.trainer.checkpoint"]
+    assert line.startswith(f"checkpoint {newest} is torn ({torn_file} has ")
+    assert line.endswith("set aside as step_000003.torn")
+    assert resumed.step == 2
+    resumed.run()
+
+    final = load_file(newest / "model" / "model.safetensors")
+    assert final.keys() == uninterrupted.keys()
+    for name in final:
+        assert torch.equal(final[name], uninterrupted[name]), name
+    assert [row.get("train/loss") for row in read_metrics(tmp_path / "metrics.jsonl")] == losses
+    aside = tmp_path / "checkpoints" / "step_000003.torn" / torn_file
+    assert aside.stat().st_size == torn_size  # kept as it was found
+
+
+def test_a_checkpoint_from_before_manifests_still_resumes(tmp_path, tiny_model_path):
+    train(tmp_path, *THREE_CHECKPOINTED_STEPS, "training.steps=2")
+    for manifest in (tmp_path / "checkpoints").glob("step_*/manifest.json"):
+        manifest.unlink()  # as every checkpoint written before manifests existed
+    resumed = build_trainer(tmp_path, *THREE_CHECKPOINTED_STEPS)
+    assert resumed.step == 2
+    resumed.run()
+    assert (tmp_path / "checkpoints" / "step_000003" / "manifest.json").is_file()
+
+
 @pytest.mark.cross_cpu
 def test_held_out_reward_rises(tmp_path, tiny_model_path):
     # The demo's batch and learning rate (constant) for a third of its steps.
@@ -307,37 +361,135 @@ def test_eval_of_a_trained_run_folder(tmp_path, tiny_model_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
 
 
-def test_ctrl_c_saves_the_last_finished_step(tmp_path, tiny_model_path):
-    run = tmp_path / "run"
-    argv = [
-        "train",
-        *[a for o in QUICK for a in ("--set", o)],
-        "--set",
-        f"run_dir={run}",
-        "--set",
-        "training.steps=1000",
-        "--set",
-        "checkpoint.every=0",
-        "--set",
-        "evaluation.at_start=false",
-    ]
+def signal_after_steps(argv: list[str], run_dir: Path, steps: int, signum: int) -> tuple[int, str, str]:
+    """Run `llmrl *argv` into `run_dir`, send it `signum` once it logged `steps` steps, and wait for it
+    to end: its exit status, stdout and stderr."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "llmrl", *argv],
-        cwd=tmp_path,
+        [sys.executable, "-m", "llmrl", *argv, "--set", f"run_dir={run_dir}"],
+        cwd=run_dir.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 300
-    while not (run / "metrics.jsonl").exists() or len(read_metrics(run / "metrics.jsonl")) < 2:
-        assert process.poll() is None and time.monotonic() < deadline
+    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < steps:
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
         time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr
-    saved = [int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")]
-    assert len(saved) == 1 and saved[0] >= 2
-    assert max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved[0]
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=120)
+    return process.returncode, stdout, stderr
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_ctrl_c_or_sighup_saves_the_last_finished_step(tmp_path, tiny_model_path, signum, status):
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        *[a for o in QUICK for a in ("--set", o)],
+        *("--set", "training.steps=1000", "--set", "checkpoint.every=0"),
+        *("--set", "evaluation.at_start=false"),
+    ]
+    returncode, stdout, stderr = signal_after_steps(argv, run, 2, signum)
+    assert returncode == status, stderr
+    name = signal.Signals(signum).name
+    assert stdout.count(f"{name}: stopping after this step and saving a checkpoint") == 1, stdout
+    [saved] = saved_steps(run)
+    assert saved >= 2 and max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved
+    assert f"stopped after step {saved}; running the same command again resumes" in stdout
+
+
+def test_sigterm_saves_the_step_in_flight_and_the_rerun_ends_as_an_uninterrupted_run(
+    tmp_path, tiny_model_path
+):
+    """What SLURM, Kubernetes and `docker stop` send: one line, exit status 143, a checkpoint of the
+    step in flight, and the same command continues it to the uninterrupted run's weights."""
+    argv = [
+        "train",
+        *[a for o in QUICK for a in ("--set", o)],
+        *("--set", "training.steps=5", "--set", "checkpoint.every=0", "--set", "training.lr=1e-4"),
+        *("--set", "evaluation.at_start=false", "--set", "evaluation.every=0"),
+    ]
+    whole = llmrl(*argv, "--set", f"run_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+
+    run = tmp_path / "stopped"
+    returncode, stdout, stderr = signal_after_steps(argv, run, 1, signal.SIGTERM)
+    assert returncode == 143, stderr
+    assert stdout.count("SIGTERM: stopping after this step and saving a checkpoint (SIGTERM again stops") == 1
+    assert stderr.strip().splitlines()[-1] == "llmrl train: stopped by SIGTERM" and "Traceback" not in stderr
+    [saved] = saved_steps(run)
+    assert 1 <= saved < 5 and max(row["step"] for row in read_metrics(run / "metrics.jsonl")) == saved
+
+    resumed = llmrl(*argv, "--set", f"run_dir={run}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"from its checkpoint at step {saved}" in resumed.stdout
+    expected, actual = final_weights(tmp_path / "whole"), final_weights(run)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    whole_rows, resumed_rows = (read_metrics(r / "metrics.jsonl") for r in (tmp_path / "whole", run))
+    assert [r.get("train/loss") for r in resumed_rows] == [r.get("train/loss") for r in whole_rows]
+
+
+class SignallingServer:
+    """The run's inference, sending this process `signum` as its `calls`-th generation starts: with no
+    generation lag, while the trainer's thread waits for that step's rollouts."""
+
+    def __init__(self, inference, signum: int, calls: int):
+        self.inference = inference
+        self.signum = signum
+        self.calls = calls
+
+    async def agenerate(self, request):
+        self.calls -= 1
+        if self.calls == 0:
+            os.kill(os.getpid(), self.signum)
+        return await self.inference.agenerate(request)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inference, name)
+
+
+def test_save_now_abandons_a_step_waiting_for_its_rollouts_and_the_rerun_matches(tmp_path, tiny_model_path):
+    overrides = [
+        "training.steps=4",
+        "checkpoint.every=0",
+        "checkpoint.on_signal=save_now",
+        "evaluation.at_start=false",
+        "evaluation.at_end=false",
+        "evaluation.every=0",
+        "training.lr=1e-4",
+    ]
+    train(tmp_path / "whole", *overrides)
+
+    run_dir = tmp_path / "stopped"
+    progress = io.StringIO()
+    trainer = Trainer(load_config(None, [f"run_dir={run_dir}", *QUICK, *overrides]), progress_stream=progress)
+    trainer.inference = SignallingServer(trainer.inference, signal.SIGTERM, calls=2 * 8 + 1)  # step 3's batch
+
+    def not_handled(signum, frame):
+        raise AssertionError("the run left SIGTERM to the test")
+
+    handler = signal.signal(signal.SIGTERM, not_handled)  # the default handler would end pytest
+    try:
+        with pytest.raises(StoppedBySignal) as stop:
+            trainer.run()
+        assert signal.getsignal(signal.SIGTERM) is not_handled  # the run's handler is gone with it
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert stop.value.exit_status == 143
+    assert "SIGTERM: step 3 abandoned before its update; saving a checkpoint of step 2" in progress.getvalue()
+    assert saved_steps(run_dir) == [2]
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+
+    train(run_dir, *overrides)
+    expected, actual = final_weights(tmp_path / "whole"), final_weights(run_dir)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
 
 
 class DyingServer:

@@ -56,7 +56,7 @@ def test_console_entry_point_runs():
 
 def test_a_bad_model_spec_deep_inside_a_command_exits_2(tmp_path, capsys):
     assert main(["export", str(tmp_path / "no-such-model"), str(tmp_path / "out")]) == EXIT_USAGE
-    assert "no such local folder" in capsys.readouterr().err
+    assert f"no folder {tmp_path / 'no-such-model'}\n" in capsys.readouterr().err
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

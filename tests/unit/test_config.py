@@ -140,6 +140,16 @@ def test_literal_field_lists_choices():
         load_config(None, ["algorithm.advantage_estimator=ppo"])
 
 
+def test_what_a_signal_does_is_one_of_two():
+    assert load_config(None, []).checkpoint.on_signal == "finish_step"  # as Ctrl-C always did
+    assert load_config(None, ["checkpoint.on_signal=save_now"]).checkpoint.on_signal == "save_now"
+    # A grace in seconds is what a scheduler gives, not what the run does with it.
+    with pytest.raises(
+        ConfigError, match=r"^checkpoint\.on_signal: expected one of 'finish_step' or 'save_now', got 30 "
+    ):
+        load_config(None, ["checkpoint.on_signal=30"])
+
+
 def test_missing_environments_is_reported():
     with pytest.raises(ConfigError, match=r"^environments: required field is missing"):
         config_from_dict({})

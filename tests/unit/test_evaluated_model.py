@@ -5,6 +5,7 @@ import json
 import pytest
 
 from llmrl.errors import UserError
+from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.evaluated_model import file_name_part, find_evaluated_model, run_model
 
 
@@ -117,3 +118,19 @@ def test_folders_that_hold_no_model_are_refused_with_what_was_expected(tmp_path)
         find_evaluated_model(str(run))
     with pytest.raises(UserError, match="not a run or checkpoint folder, a LoRA adapter folder"):
         find_evaluated_model(str(tmp_path))
+
+
+def test_a_torn_checkpoint_is_passed_over_in_its_run_and_refused_by_name(tmp_path):
+    run = tmp_path / "run"
+    previous = fake_checkpoint(run, 2, lora=False)
+    newest = fake_checkpoint(run, 4, lora=False)
+    for folder in (previous, newest):
+        ckpt.write_manifest(folder)
+    (newest / "config.yaml").write_text("seed: 1\n")  # another size than its manifest says
+    for named in (newest, newest / "model"):
+        with pytest.raises(UserError, match=r"step_000004 is torn \(config.yaml has [\d,]+ bytes"):
+            find_evaluated_model(str(named))
+    assert newest.is_dir()  # named, so left where it is
+    model = find_evaluated_model(str(run))
+    assert (model.checkpoint, model.description) == (previous, f"{run} (checkpoint step 2, its latest)")
+    assert not newest.exists() and (run / "checkpoints" / "step_000004.torn").is_dir()

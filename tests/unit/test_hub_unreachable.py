@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
@@ -32,7 +33,8 @@ def test_a_hub_model_that_cannot_be_reached_fails_at_once_naming_the_hub(unreach
     # huggingface_hub alone retries each file it looks for with waits of 1, 2, 4, 8 and 8 s
     assert time.monotonic() - started < 10
     assert str(info.value).startswith(
-        f"model spec 'someone/not-cached-model': cannot load its tokenizer: not in the local cache, "
+        "model spec 'someone/not-cached-model': no folder someone/not-cached-model (looked in the working "
+        f"folder: {Path.cwd()}/someone/not-cached-model); its tokenizer is not in the local cache, "
         f"and {unreachable_hub} cannot be reached: "
     )
 

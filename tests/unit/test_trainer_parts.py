@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
+import os
 import random
+import re
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -518,6 +523,87 @@ def test_checkpoints_keep_the_last_k_and_ignore_half_written_ones(tmp_path):
     assert ckpt.resolve_model_folder(tmp_path) == tmp_path / "checkpoints" / "step_000005" / "model"
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         ckpt.load_trainer_state(torn)
+
+
+def test_a_checkpoints_manifest_records_every_other_file(tmp_path):
+    folder = save(tmp_path, 1)
+    recorded = json.loads((folder / ckpt.MANIFEST).read_text())["files"]
+    on_disk = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
+    assert set(recorded) == set(on_disk) - {ckpt.MANIFEST}
+    assert {"trainer_state.pt", "config.yaml", "model/model.safetensors"} <= set(recorded)
+    for name, entry in recorded.items():
+        assert entry == {
+            "bytes": on_disk[name].stat().st_size,
+            "crc32": f"{zlib.crc32(on_disk[name].read_bytes()):08x}",
+        }
+
+
+def _truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_a_byte(path):
+    """The same size, another content (written anew and renamed over the file, as a copy would)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    written = path.with_name(f"{path.name}.new")
+    written.write_bytes(bytes(data))
+    os.replace(written, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "tear", "problem"),
+    [
+        ("trainer_state.pt", _truncate, r"trainer_state.pt has [\d,]+ bytes, its manifest says [\d,]+"),
+        ("model/model.safetensors", _truncate, "model/model.safetensors has"),
+        (
+            "model/model.safetensors",
+            _flip_a_byte,
+            "model/model.safetensors does not match its manifest's CRC-32",
+        ),
+        ("config.yaml", Path.unlink, "config.yaml is missing"),
+        ("manifest.json", lambda path: path.write_text('{"files": '), "manifest.json is unreadable"),
+    ],
+)
+def test_a_torn_newest_checkpoint_is_named_set_aside_and_the_previous_one_taken(
+    tmp_path, caplog, name, tear, problem
+):
+    save(tmp_path, 2)
+    newest = save(tmp_path, 3)
+    ckpt.latest_checkpoint(tmp_path)  # checked once intact: the file's later state is read anew
+    tear(newest / name)
+    with caplog.at_level("WARNING", logger=ckpt.__name__):
+        assert ckpt.latest_checkpoint(tmp_path) == (2, tmp_path / "checkpoints" / "step_000002")
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith(f"checkpoint {newest} is torn (") and line.endswith(
+        "set aside as step_000003.torn"
+    )
+    assert re.search(problem, line) and "\n" not in line
+    aside = tmp_path / "checkpoints" / "step_000003.torn"
+    assert aside.is_dir() and not newest.exists()  # kept, files and all, for whoever may recover them
+    # Pruning leaves it too, and a run that saves step 3 again gets the name back.
+    save(tmp_path, 3, keep_last=1)
+    save(tmp_path, 4, keep_last=1)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4] and aside.is_dir()
+
+
+def test_no_complete_checkpoint_left_says_so_in_one_line_every_time(tmp_path, caplog):
+    for step in (1, 2):
+        _truncate(save(tmp_path, step) / "trainer_state.pt")
+    for _ in range(2):  # set aside by the first look, still refused by the next
+        with pytest.raises(ckpt.NoCompleteCheckpointError) as refusal:
+            ckpt.latest_checkpoint(tmp_path)
+        message = str(refusal.value)
+        assert "\n" not in message and "has no complete checkpoint" in message
+        assert "step_000001.torn, step_000002.torn" in message and "from step 0" in message
+    assert len(caplog.records) == 2  # each torn one named once, when it was set aside
+
+
+def test_a_checkpoint_written_before_manifests_is_trusted(tmp_path):
+    folder = save(tmp_path, 1)
+    (folder / ckpt.MANIFEST).unlink()
+    assert ckpt.latest_checkpoint(tmp_path) == (1, folder)
+    assert ckpt.checkpoint_problem(folder) is None
 
 
 def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
