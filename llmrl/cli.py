@@ -22,6 +22,7 @@ is training in is refused (2); a run that already ran more steps than asked says
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -284,11 +285,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _installed_version() -> str:
+    """The installed distribution's version, what a bug report needs (pip's record, not a second copy
+    kept in the code); a source tree put on the path without installing has none."""
+    try:
+        return importlib.metadata.version("llmrl")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: no version)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmrl",
         description="Reinforcement-learning post-training of language models.",
     )
+    parser.add_argument("--version", action="version", version=f"llmrl {_installed_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(

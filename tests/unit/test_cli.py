@@ -1,5 +1,6 @@
 """The `llmrl` command: help for every subcommand, config show, clear errors and exit codes."""
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -18,6 +19,13 @@ def test_help_for_every_subcommand(command, capsys):
         main([command, "--help"])
     assert info.value.code == 0
     assert "usage: llmrl " + command in capsys.readouterr().out
+
+
+def test_version_is_the_installed_distribution_s(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"llmrl {importlib.metadata.version('llmrl')}"
 
 
 def test_config_show_prints_resolved_config(tmp_path, capsys):
