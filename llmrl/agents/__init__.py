@@ -1,6 +1,6 @@
 """Agents: where prompts come from and how completions are scored (see docs/agents.md)."""
 
-from llmrl.agents.base import Agent, Problem, has_signal, make_prompt, placeholder_rollout
+from llmrl.agents.base import Agent, Problem, PromptRoom, has_signal, make_prompt, placeholder_rollout
 from llmrl.agents.multi_task import WeightedMultiTask, build_agent, build_agents, largest_remainder
 from llmrl.agents.pass_at_k import PassAtKAgent, evaluation_metrics, pass_at_k
 from llmrl.agents.reward_only import ProblemSetAgent, RewardOnlyAgent
@@ -11,6 +11,7 @@ __all__ = [
     "EpochSampler",
     "PassAtKAgent",
     "Problem",
+    "PromptRoom",
     "ProblemSetAgent",
     "RewardOnlyAgent",
     "WeightedMultiTask",

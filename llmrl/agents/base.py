@@ -12,7 +12,7 @@ import contextvars
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,12 @@ class Problem:
     """The reference the reward compares with (a number, a string, a list of tests, ...)."""
     row: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     """The data row it was made from (dataset environments: reward functions read its columns)."""
+    origin: str | None = field(default=None, compare=False, repr=False)
+    """Where it comes from, for messages about it: a data file and row (None: made by the agent)."""
+
+    def described(self) -> str:
+        """The problem as messages name it: its id, and its origin where known."""
+        return f"problem {self.id}" + (f" ({self.origin})" if self.origin else "")
 
 
 def make_prompt(text: str, *, system_prompt: str | None = None, chat: bool = True) -> str | list[ChatMessage]:
@@ -71,6 +77,17 @@ INFERENCE_FAILURE = "inference:"
 def failed_in_inference(rollout: TokenRollout) -> bool:
     """True for a placeholder standing in for a rollout whose inference call failed (not its reward)."""
     return not rollout.is_valid and (rollout.failure_reason or "").startswith(INFERENCE_FAILURE)
+
+
+DATA_FAILURE = "data"
+"""The stage of a placeholder whose request the inference refused for what it holds (a prompt too long
+for the model's context): its problem's data failed, and a rerun would fail it the same way, so it is
+dropped from its batch, never a reason to stop the run."""
+
+
+def failed_for_data(rollout: TokenRollout) -> bool:
+    """True for a placeholder standing in for a rollout whose request was refused (`DATA_FAILURE`)."""
+    return not rollout.is_valid and (rollout.failure_reason or "").startswith(f"{DATA_FAILURE}:")
 
 
 USER_CODE_STAGES = ("reward", "observe", "program")
@@ -139,6 +156,20 @@ def has_signal(group: RolloutGroup) -> bool:
     return len(rewards) > 1
 
 
+@dataclass(frozen=True)
+class PromptRoom:
+    """What a problem's first prompt must fit: the context of the model that generates, less the
+    completion's `max_tokens`; and what to do with prompts that do not."""
+
+    context: int
+    """Prompt and completion tokens the model generates over."""
+    overlong: Callable[[Sequence[str | list[ChatMessage]], GenerationArgs, int], dict[int, int]]
+    """The prompts (by index) of more tokens than the limit, with their counts, as the policy's
+    tokenizer renders them under the given args (`llmrl.inference.prompts.overlong_prompts`)."""
+    refuse: bool
+    """Stop before training when any prompt does not fit, rather than skip it."""
+
+
 class Agent(ABC):
     """An environment the trainer can draw rollout groups from and evaluate on."""
 
@@ -170,6 +201,15 @@ class Agent(ABC):
     def check_problems(self) -> None:
         """Load and validate the problems now, so a bad dataset fails before any model is loaded."""
         return None  # agents without a local problem set (e.g. remote ones) have nothing to check
+
+    def drop_overlong_prompts(self, room: PromptRoom, generation_args: GenerationArgs) -> None:
+        """Before any problem is drawn: leave out the problems whose prompt leaves no room for
+        `generation_args.max_tokens` (as this agent sets it) in `room.context`, with one warning naming
+        them, or (`room.refuse`) raise `UserError` naming them.
+
+        Agents whose prompts are known only as they run (remote ones, agent programs, later turns)
+        meet such a prompt as a `DATA_FAILURE` of its request instead."""
+        del room, generation_args
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must save to resume the problem order."""

@@ -166,6 +166,8 @@ class RowProblems(ABC):
     id_column: str | None
     _rows: list[dict[str, Any]]
     _eval_rows: list[dict[str, Any]] | None
+    _sources: tuple[str, str]
+    """How messages name where the training rows and the separate evaluation rows come from."""
 
     @staticmethod
     def value(row: dict[str, Any], column: str) -> Any:
@@ -198,12 +200,14 @@ class RowProblems(ABC):
         return None
 
     def _problems(self, rows: list[dict[str, Any]], split: str) -> list[Problem]:
+        source = self._sources[split != "train"]
         return [
             Problem(
                 id=str(self.value(row, self.id_column)) if self.id_column else f"{split}-{index}",
                 prompt=self.prompt_from_row(row, split, index),
                 answer=self.answer_from_row(row),
                 row=row,
+                origin=f"{source}, row {index} counting from 0",
             )
             for index, row in enumerate(rows)
         ]
@@ -293,6 +297,7 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
             eval_dataset=eval_dataset,
         )
         self._rows, self._source = rows.rows, rows.source
+        self._sources = (rows.source, rows.eval_source)
         self.layout: Layout = self._detect_layout(self._rows, self._source) if format == "auto" else format
         if not functions and self.layout == "verl":
             functions = [RewardFunction(default_compute_score, name="score", style="verl")]

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from llmrl.agents.base import Agent, has_signal, placeholder_rollout, placeholders_logged_once
+from llmrl.agents.base import Agent, PromptRoom, has_signal, placeholder_rollout, placeholders_logged_once
 from llmrl.agents.pass_at_k import PassAtKAgent
 from llmrl.config import ConfigError, EnvironmentConfig
 from llmrl.inference.interface import InferenceInterface
@@ -235,6 +235,11 @@ class WeightedMultiTask:
         """Every agent's `check_problems` (datasets load, columns exist, splits are non-empty)."""
         for agent in self.agents:
             agent.check_problems()
+
+    def drop_overlong_prompts(self, room: PromptRoom, generation_args: GenerationArgs) -> None:
+        """Every agent's `drop_overlong_prompts`."""
+        for agent in self.agents:
+            agent.drop_overlong_prompts(room, generation_args)
 
     def state_dict(self) -> dict[str, Any]:
         return {agent.env_id: agent.state_dict() for agent in self.agents}

@@ -140,6 +140,7 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
         self.timeout_s = timeout_s
         self.id_column = id_column
         self._rows, self._eval_rows = rows.rows, rows.eval_rows
+        self._sources = (rows.source, rows.eval_source)
 
     # ---- problems --------------------------------------------------------------------------------
 

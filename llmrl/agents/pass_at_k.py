@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llmrl.agents.base import Agent
+from llmrl.agents.base import Agent, PromptRoom
 from llmrl.inference.interface import InferenceInterface
 from llmrl.types import EvaluationResponse, GenerationArgs, RolloutGroup
 
@@ -126,6 +126,12 @@ class PassAtKAgent(Agent):
             ks=self.ks,
             correct_threshold=self.correct_threshold,
         )
+
+    def check_problems(self) -> None:
+        self.agent.check_problems()
+
+    def drop_overlong_prompts(self, room: PromptRoom, generation_args: GenerationArgs) -> None:
+        self.agent.drop_overlong_prompts(room, generation_args)
 
     def state_dict(self) -> dict[str, Any]:
         return self.agent.state_dict()

@@ -24,7 +24,10 @@ message or None to stop. Everything else is done here:
   (`status="placeholder"`, `failure_reason`), counted in `pop_metrics()`, while the rest of the
   group and batch go on. The reason of a failure in `observe` or `reward` names the file and line
   of the user's code (`llmrl.errors.code_location`); each distinct reason is logged once per call of
-  `group_rollouts` or `evaluate`, with its count.
+  `group_rollouts` or `evaluate`, with its count. A request the inference refuses for what it holds
+  (`RequestRejected`: too long for the context) fails as the problem's data (``data:``), not the
+  inference; problems whose first prompt cannot fit are left out before training
+  (`drop_overlong_prompts`).
 
 Rewards and observations run in their own threads (`reward_concurrency` at a time) under
 `reward_timeout_s`; a function that never returns leaks its thread but not the run. Coroutine
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import random
 import threading
 from abc import abstractmethod
@@ -48,8 +52,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmrl.agents.base import (
+    DATA_FAILURE,
     Agent,
     Problem,
+    PromptRoom,
     log_placeholders,
     placeholder_rollout,
     placeholders_logged_once,
@@ -59,8 +65,8 @@ from llmrl.agents.base import (
 from llmrl.agents.sampler import EpochSampler
 from llmrl.agents.trajectory import Trajectory
 from llmrl.agents.workers import in_worker_thread
-from llmrl.errors import UserCodeFailure, code_location
-from llmrl.inference.interface import InferenceInterface
+from llmrl.errors import UserCodeFailure, UserError, code_location
+from llmrl.inference.interface import InferenceInterface, RequestRejected
 from llmrl.rewards.functions import Reward, finite_number
 from llmrl.telemetry import trace_span
 from llmrl.types import (
@@ -74,6 +80,8 @@ from llmrl.types import (
     TokenRollout,
     validation_problems,
 )
+
+log = logging.getLogger(__name__)
 
 # The held-out split must not move when the run seed changes, or evaluations of different seeds
 # would not be comparable; it depends only on the problem list.
@@ -320,6 +328,49 @@ class RewardOnlyAgent(ProblemSetAgent):
         del turn, response, problem
         return None
 
+    # ---- problems that cannot fit ----------------------------------------------------------------
+
+    def drop_overlong_prompts(self, room: PromptRoom, generation_args: GenerationArgs) -> None:
+        if "_sampler" in self.__dict__:
+            raise RuntimeError("drop_overlong_prompts comes before any problem is drawn or restored")
+        args = self._sampling_args(generation_args)
+        max_tokens = args.max_tokens
+        limit = room.context - max_tokens
+        if limit < 1:
+            raise UserError(
+                f"{self.env_id}: max_tokens={max_tokens} completion tokens leave no room for a prompt in the "
+                f"model's context of {room.context} tokens"
+            )
+        train, evaluation = self._splits
+        try:
+            over = [room.overlong([p.prompt for p in split], args, limit) for split in (train, evaluation)]
+        except RequestRejected as exc:  # e.g. chat messages for a tokenizer without a chat template
+            raise UserError(f"{self.env_id}: {exc}") from None
+        if not any(over):
+            return
+        dropped = [
+            (split[i], count)
+            for split, counts in zip((train, evaluation), over, strict=True)
+            for i, count in counts.items()
+        ]
+        longest, longest_count = max(dropped, key=lambda item: item[1])
+        shown = ", ".join(problem.id for problem, _ in dropped[:5]) + (", ..." if len(dropped) > 5 else "")
+        line = (
+            f"{self.env_id}: {len(over[0])} of {len(train)} training and {len(over[1])} of {len(evaluation)} "
+            f"evaluation problems have a prompt longer than the {limit} tokens that the model's context of "
+            f"{room.context} leaves beside max_tokens={max_tokens}: {shown}; the longest, "
+            f"{longest.described()}, has {longest_count} tokens"
+        )
+        if room.refuse:
+            raise UserError(
+                f"{line}; shorten or remove them, or set training.overlong_prompts: skip to train without them"
+            )
+        kept_train = [p for i, p in enumerate(train) if i not in over[0]]
+        if not kept_train:
+            raise UserError(f"{line}; no training problem is left")
+        log.warning("%s; skipped (training.overlong_prompts: skip)", line)
+        self._splits = (kept_train, [p for i, p in enumerate(evaluation) if i not in over[1]])
+
     # ---- one problem, n samples ------------------------------------------------------------------
 
     async def run_episodes(
@@ -331,7 +382,7 @@ class RewardOnlyAgent(ProblemSetAgent):
                 inference, InferenceRequest(prompt=problem.prompt, generation_args=args, n=n)
             )
         except Exception as exc:
-            reason = self._record_failure("inference", exc, count=n)
+            reason = self._record_failure("inference", exc, count=n, problem=problem)
             return [placeholder_rollout(self.env_id, problem.id, reason) for _ in range(n)]
         return list(
             await asyncio.gather(
@@ -403,7 +454,7 @@ class RewardOnlyAgent(ProblemSetAgent):
             components = reward.components if isinstance(reward, Reward) else {}
             return trajectory.rollout(self.env_id, problem.id, value, components)
         except Exception as exc:
-            reason = self._record_failure(stage, exc, count=1)
+            reason = self._record_failure(stage, exc, count=1, problem=problem)
             return placeholder_rollout(self.env_id, problem.id, reason)
 
     def _reward_slots(self) -> asyncio.Semaphore:
@@ -425,9 +476,14 @@ class RewardOnlyAgent(ProblemSetAgent):
                 call = fn(*args) if inspect.iscoroutinefunction(fn) else in_worker_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)
 
-    def _record_failure(self, stage: str, exc: BaseException, *, count: int) -> str:
-        """Count and log a failure of `stage`; returns the placeholders' `failure_reason`."""
-        if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+    def _record_failure(self, stage: str, exc: BaseException, *, count: int, problem: Problem) -> str:
+        """Count and log a failure of `stage` in `problem`'s episodes; returns the placeholders'
+        `failure_reason`. A request the inference refused for what it holds is the problem's data
+        failing (`DATA_FAILURE`), not the inference."""
+        if stage == "inference" and isinstance(exc, RequestRejected):
+            stage = DATA_FAILURE
+            reason = f"{stage}: problem {problem.id}: {exc}"[:500]
+        elif isinstance(exc, asyncio.TimeoutError | TimeoutError):
             limit = self.inference_timeout_s if stage == "inference" else self.reward_timeout_s
             reason = f"{stage}: timed out after {limit} s"
         elif isinstance(exc, UserCodeFailure):

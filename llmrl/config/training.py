@@ -66,6 +66,12 @@ class TrainingConfig(Section):
     over the last 3 steps; over it, the run stops with exit status 1 and one line naming the most frequent
     failure, before that step trains. A step whose rollouts all failed in user code always stops the run.
     None: only such a step does."""
+    overlong_prompts: Literal["skip", "refuse"] = "skip"
+    """Problems whose prompt leaves no room for `inference.generation.max_tokens` in the model's context,
+    found as the data loads: `skip` trains without them (one line names them and their count), `refuse`
+    stops before training, naming them. A later turn that does not fit, or a server with a shorter context,
+    fails its rollouts as a data failure (`failures/data`): they are left out of the batch, and the run goes
+    on (an agent program's call is refused to the program, as an HTTP 400 it may handle)."""
     deterministic: bool = True
     """Use deterministic kernels so that the same config gives the same numbers."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -5,10 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmrl.config import InferenceConfig, ModelConfig
-from llmrl.inference.interface import Health, InferenceInterface, InferenceUnavailableError, run_sync
+from llmrl.inference.interface import (
+    Health,
+    InferenceInterface,
+    InferenceUnavailableError,
+    RequestRejected,
+    run_sync,
+)
 from llmrl.registry import get_inference_class
 
-__all__ = ["Health", "InferenceInterface", "InferenceUnavailableError", "build_inference", "run_sync"]
+__all__ = [
+    "Health",
+    "InferenceInterface",
+    "InferenceUnavailableError",
+    "RequestRejected",
+    "build_inference",
+    "run_sync",
+]
 
 
 def build_inference(

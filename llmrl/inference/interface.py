@@ -26,6 +26,12 @@ class InferenceUnavailableError(RuntimeError):
     command resumes (the CLI exits with 75). The message is one line."""
 
 
+class RequestRejected(ValueError):
+    """The request cannot be served as it is (a prompt too long for the model's context, token ids
+    outside the vocabulary): retrying cannot pass, so an agent drops its problem from the batch
+    (a ``data:`` failure) rather than the run stopping for a rerun that would fail the same way."""
+
+
 @dataclass(frozen=True)
 class Health:
     """What an inference interface knows of where it generates and whether that answers."""

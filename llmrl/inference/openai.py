@@ -38,14 +38,27 @@ import httpx
 from llmrl.config import ConfigError, InferenceConfig, ModelConfig
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
 from llmrl.inference.completions import parse_finish_reason
-from llmrl.inference.interface import Health, InferenceInterface, Reachability, run_blocking, run_sync
+from llmrl.inference.interface import (
+    Health,
+    InferenceInterface,
+    Reachability,
+    RequestRejected,
+    run_blocking,
+    run_sync,
+)
 from llmrl.inference.prompts import request_prompt_ids
 from llmrl.seeding import derive_seed
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightSyncError, WeightTransport, transport_for
 from llmrl.weights.llmrl_server import LlmrlServerTransport
 
-__all__ = ["InferenceServerError", "OpenAIInterface", "UnsupportedServerError", "WeightSyncError"]
+__all__ = [
+    "InferenceServerError",
+    "OpenAIInterface",
+    "RequestRefusedByServer",
+    "UnsupportedServerError",
+    "WeightSyncError",
+]
 
 
 class InferenceServerError(RuntimeError):
@@ -54,6 +67,16 @@ class InferenceServerError(RuntimeError):
     def __init__(self, message: str, *, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class RequestRefusedByServer(InferenceServerError, RequestRejected):
+    """The server refused this generation request for what it holds (vLLM: a prompt longer than its
+    max_model_len), not for how it is: the same request would be refused again."""
+
+
+_REQUEST_REFUSALS = frozenset({400, 413, 422})
+"""The statuses a server refuses a generation request's content with (bad request, too large,
+unprocessable), as opposed to who asks (401, 403), where (404) or when (408, 429, 5xx)."""
 
 
 class UnsupportedServerError(ValueError):
@@ -197,13 +220,18 @@ class OpenAIInterface(InferenceInterface):
         session = self._session()
         body = _request_body(request, model or await self._model_name(session), prompt_ids)
         async with session.slots:
-            data = await self._call(
-                "POST",
-                "/chat/completions" if chat else "/completions",
-                json=body,
-                timeout_s=self.timeout_s,
-                retries=self.max_retries,
-            )
+            try:
+                data = await self._call(
+                    "POST",
+                    "/chat/completions" if chat else "/completions",
+                    json=body,
+                    timeout_s=self.timeout_s,
+                    retries=self.max_retries,
+                )
+            except InferenceServerError as exc:
+                if exc.status in _REQUEST_REFUSALS:
+                    raise RequestRefusedByServer(str(exc), status=exc.status) from None
+                raise
         return _parse_responses(data, request, chat, self._weights.version)
 
     def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:

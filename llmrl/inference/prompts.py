@@ -10,27 +10,33 @@ then the new turn).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from llmrl.types import InferenceRequest
+from llmrl.inference.interface import RequestRejected
+from llmrl.types import ChatMessage, GenerationArgs, InferenceRequest
+
+_MOST_TOKENS_BEYOND_BYTES = 8
+"""Tokens a prompt may have beyond the bytes of its text: those a tokenizer adds (BOS, EOS, a prefix
+space); every other token covers at least one byte of the text, a special token's name included."""
 
 
 def prompt_token_ids(
     tokenizer: Any, request: InferenceRequest, *, context: int, vocab_size: int
 ) -> list[int]:
-    """The ids `request`'s completions follow; `ValueError` for a prompt that fills the `context`,
+    """The ids `request`'s completions follow; `RequestRejected` for a prompt that fills the `context`,
     `max_tokens` beyond it, or ids outside the vocabulary (prompt or stop token ids)."""
     args = request.generation_args
     prompt_ids = request_prompt_ids(tokenizer, request)
     if not prompt_ids:
-        raise ValueError("prompt: it encodes to no tokens")
+        raise RequestRejected("prompt: it encodes to no tokens")
     if len(prompt_ids) >= context:
-        raise ValueError(
+        raise RequestRejected(
             f"prompt: {len(prompt_ids)} tokens leave no room for a completion in the model's context of "
             f"{context} tokens"
         )
     if len(prompt_ids) + args.max_tokens > context:
-        raise ValueError(
+        raise RequestRejected(
             f"max_tokens: {args.max_tokens} completion tokens after a {len(prompt_ids)}-token prompt exceed "
             f"the model's context of {context} tokens (at most {context - len(prompt_ids)} fit)"
         )
@@ -40,8 +46,37 @@ def prompt_token_ids(
     ):
         outside = sorted({t for t in ids if t >= vocab_size})
         if outside:
-            raise ValueError(f"{field_name}: {outside[:5]} outside the vocabulary of {vocab_size} tokens")
+            raise RequestRejected(
+                f"{field_name}: {outside[:5]} outside the vocabulary of {vocab_size} tokens"
+            )
     return prompt_ids
+
+
+def overlong_prompts(
+    tokenizer: Any, prompts: Sequence[str | list[ChatMessage]], args: GenerationArgs, max_tokens: int
+) -> dict[int, int]:
+    """The prompts (by index) of more than `max_tokens` tokens as a request with `args` renders them,
+    each with its count. Only those whose text is long enough to be over are tokenized: a data set's
+    worth of short prompts costs one template rendering each."""
+    template_kwargs = args.chat_template_kwargs or {}
+    over = {}
+    for index, prompt in enumerate(prompts):
+        text = (
+            prompt
+            if isinstance(prompt, str) or getattr(tokenizer, "chat_template", None) is None
+            else tokenizer.apply_chat_template(
+                [m.model_dump() for m in prompt],
+                add_generation_prompt=True,
+                tokenize=False,
+                **template_kwargs,
+            )
+        )
+        if isinstance(text, str) and len(text.encode()) + _MOST_TOKENS_BEYOND_BYTES <= max_tokens:
+            continue
+        count = len(request_prompt_ids(tokenizer, InferenceRequest(prompt=prompt, generation_args=args)))
+        if count > max_tokens:
+            over[index] = count
+    return over
 
 
 def request_prompt_ids(tokenizer: Any, request: InferenceRequest) -> list[int]:
@@ -52,7 +87,9 @@ def request_prompt_ids(tokenizer: Any, request: InferenceRequest) -> list[int]:
         ids = tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]
         return list(prefix or []) + list(ids)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("prompt: chat messages need a tokenizer with a chat template; pass a string instead")
+        raise RequestRejected(
+            "prompt: chat messages need a tokenizer with a chat template; pass a string instead"
+        )
     messages = [m.model_dump() for m in prompt]
     template_kwargs = request.generation_args.chat_template_kwargs or {}
     if prefix is None:
@@ -82,7 +119,7 @@ def follow_up_ids(
     before = render(reference)
     after = render(reference + messages, add_generation_prompt=True)
     if reply not in before or not after.startswith(before):
-        raise ValueError(
+        raise RequestRejected(
             "prompt: the tokenizer's chat template cannot render a follow-up turn after prompt_token_ids"
         )
     closing = before[before.rindex(reply) + len(reply) :]

@@ -5,7 +5,8 @@ server than about the policy: it is neither banked nor trained on; `InferenceUna
 the run, and a rerun regenerates it. A batch whose rollouts all failed in the user's code, or one that
 takes the share of such failures over the last steps past `max_user_failure_frac` (`UserCodeFailures`),
 is refused the same way: the run stops with `UserCodeError`, naming the failure to fix, rather than
-train on what is left.
+train on what is left. Rollouts whose request the inference refused for their data (`data:` failures)
+only leave their problems out, unless every rollout of a batch failed so (`data_failure`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import datetime
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from llmrl.agents.base import failed_in_inference, failed_in_user_code
-from llmrl.errors import UserCodeError
+from llmrl.agents.base import failed_for_data, failed_in_inference, failed_in_user_code
+from llmrl.errors import UserCodeError, UserError
 from llmrl.inference.interface import InferenceInterface, InferenceUnavailableError
 from llmrl.types import RolloutGroup, TokenRollout
 
@@ -55,6 +56,20 @@ def inference_failure(groups: Sequence[RolloutGroup], max_frac: float | None) ->
         return None
     reason = next(r.failure_reason for g in groups for r in g.rollouts if failed_in_inference(r))
     return f"{count} of {total} rollouts failed in inference ({reason})"
+
+
+def data_failure(step: int, groups: Sequence[RolloutGroup]) -> str | None:
+    """Why the batch of `step` cannot be trained on for its data, or None: every rollout's request was
+    refused for what it holds (a later turn longer than the context, a server with a shorter one).
+    Fewer such failures only leave their problems out of the batch."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    if not rollouts or not all(failed_for_data(r) for r in rollouts):
+        return None
+    (most_often, count), *_ = Counter(r.failure_reason for r in rollouts).most_common(1)
+    return (
+        f"every one of the {len(rollouts)} rollouts of step {step} was refused by the inference for its "
+        f"data, so nothing is left to train on; most often, {count} times: {most_often}"
+    )
 
 
 class UserCodeFailures:
@@ -120,12 +135,15 @@ class BatchChecks:
 
     def refusal(
         self, step: int, groups: Sequence[RolloutGroup], started: float
-    ) -> InferenceUnavailableError | UserCodeError | None:
+    ) -> InferenceUnavailableError | UserError | None:
         """Why the batch of `step` (generation began at `started`) must not be trained on, or None."""
         failure = inference_failure(groups, self.max_inference_failure_frac)
         if failure is not None:
             return InferenceUnavailableError(
                 unavailable_line(self.inference, f"batch of step {step}: {failure}", started)
             )
+        data_line = data_failure(step, groups)
+        if data_line is not None:
+            return UserError(data_line)
         stop_line = self.user_code_failures.stop_line(step, groups)
         return UserCodeError(stop_line) if stop_line is not None else None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import signal
 import threading
@@ -47,11 +48,13 @@ from typing import Any
 import torch
 import transformers
 
-from llmrl.agents import WeightedMultiTask, build_agents
+from llmrl.agents import PromptRoom, WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
 from llmrl.files import os_error_behind
 from llmrl.inference import InferenceInterface, build_inference
+from llmrl.inference.kv_cache import max_positions
+from llmrl.inference.prompts import overlong_prompts
 from llmrl.registry import import_plugins
 from llmrl.rollouts import RolloutSource, prepare_batch, rollout_metrics, rollout_source, staleness_metrics
 from llmrl.seeding import derive_seed
@@ -168,6 +171,8 @@ class Trainer:
         self.generation_args = (
             generation if generation.seed is not None else generation.merge(GenerationArgs(seed=config.seed))
         )
+        if self.agents is not None:  # before any problem is drawn, or the problem order restored
+            self.agents.drop_overlong_prompts(self._prompt_room(config), self.generation_args)
         self.update = self._policy_update()
         if self.is_main or config.inference.in_every_process:
             self.inference = build_inference(
@@ -209,6 +214,16 @@ class Trainer:
         )
         agents.check_problems()  # a missing dataset column fails here, before models load
         return agents
+
+    def _prompt_room(self, config: RunConfig) -> PromptRoom:
+        """The room for prompts in the context of the model that generates: vLLM's `max_model_len` where
+        set, else the model's own."""
+        vllm_limit = config.inference.vllm.max_model_len if config.inference.type == "vllm" else None
+        return PromptRoom(
+            context=vllm_limit or max_positions(self.models.policy.config),
+            overlong=functools.partial(overlong_prompts, self.models.tokenizer),
+            refuse=config.training.overlong_prompts == "refuse",
+        )
 
     def _policy_update(self) -> PolicyUpdate:
         config, models = self.config, self.models

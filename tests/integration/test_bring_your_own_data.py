@@ -8,6 +8,8 @@ file. A short run at the demo's settings must raise held-out accuracy.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -85,3 +87,35 @@ def test_an_environment_with_its_own_sampling_options_trains_on_policy(tmp_path,
     assert len(rows) == 3
     for row in rows:
         assert abs(row["train/mismatch_kl"]) < 1e-5, row["train/mismatch_kl"]
+
+
+def test_a_row_too_long_for_the_context_is_skipped_and_the_run_trains(tmp_path, tiny_model_path, caplog):
+    """One prompt of over 2,000 tokens among 40 (the tiny model's context is 1,024): every row is drawn
+    in two steps, and without the check at load its request failed and stopped the run for a rerun
+    that failed the same way."""
+    rows = (FIXTURES / "trl_train.jsonl").read_text().splitlines()[:40]
+    long_row = {"prompt": [{"role": "user", "content": "What is 47 + 12? " * 300}], "solution": "59"}
+    rows[7] = json.dumps(long_row)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    environment = {
+        "agent_type": "dataset",
+        "env_id": "sums",
+        "agent_args": {
+            "data_files": str(data),
+            "eval_data_files": str(FIXTURES / "trl_test.jsonl"),
+            "reward_functions": [{"function": "arithmetic_rewards:correct_sum", "weight": 1.0}],
+        },
+    }
+    with caplog.at_level(logging.WARNING, logger="llmrl"):
+        summary = run(tmp_path, environment, steps=2, evaluation={"at_start": False, "at_end": False})
+    assert summary["steps"] == 2
+    (line,) = [r.getMessage() for r in caplog.records if "overlong_prompts" in r.getMessage()]
+    assert (
+        "sums: 1 of 40 training and 0 of " in line
+        and f"problem train-7 ({data}, row 7 counting from 0)" in line
+    )
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert not any(
+        key.endswith("failures/data") or "failures/inference" in key for row in rows for key in row
+    )

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from llmrl.config import InferenceConfig, ModelConfig
 from llmrl.inference import build_inference
 from llmrl.inference.engine import LocalEngine
-from llmrl.inference.interface import InferenceInterface
+from llmrl.inference.interface import InferenceInterface, RequestRejected
 from llmrl.inference.openai import (
     InferenceServerError,
     OpenAIInterface,
@@ -379,6 +379,15 @@ def test_4xx_is_raised_at_once_with_the_servers_message():
     with pytest.raises(InferenceServerError, match="prompt: 2001 tokens leave no room") as failure:
         remote.generate(InferenceRequest(prompt="q"))
     assert failure.value.status == 400 and len(seen) == 1
+    assert isinstance(failure.value, RequestRejected)  # the request's own fault: its problem is dropped
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_refusal_of_who_asks_or_where_is_not_the_requests_fault(status):
+    remote, _ = scripted(lambda request, attempt: httpx.Response(status, json={"error": "no"}))
+    with pytest.raises(InferenceServerError) as failure:
+        remote.generate(InferenceRequest(prompt="q"))
+    assert not isinstance(failure.value, RequestRejected)
 
 
 def test_a_slow_server_times_out_per_attempt():
