@@ -326,8 +326,10 @@ class Trainer:
         return display, stop_requested
 
     def _leave_process_group(self, error_type: type[BaseException] | None, *_: Any) -> None:
-        # After an error the other ranks may never get to a barrier: only a clean finish waits for them.
-        self.processes.close(wait=error_type is None)
+        # After an error the other ranks may never get to a barrier: only a clean finish, or a stop every
+        # rank agreed on at the same step, waits for them.
+        agreed = error_type is None or issubclass(error_type, StoppedBySignal)
+        self.processes.close(wait=agreed)
 
     def _stop_requests(self, stack: ExitStack, display: ProgressDisplay) -> Callable[[], int]:
         """The function that gives the signal that asked for a stop (SIGINT, SIGTERM, SIGHUP), 0 while
