@@ -218,14 +218,15 @@ def _server_logging() -> None:
 def cmd_serve_env(args: argparse.Namespace) -> int:
     from llmrl.server.common import resolve_api_key
     from llmrl.server.env_server import serve_env
+    from llmrl.trainer.evaluated_model import with_model_folder
 
     _server_logging()
+    # A run or checkpoint folder as model.spec: the agents' tokenizers load from its model folder.
     serve_env(
-        args.config,
+        with_model_folder(_load(args)),
         host=args.host,
         port=args.port,
         api_key=resolve_api_key(args.api_key),
-        overrides=args.overrides,
         inference_urls=args.inference_urls,
     )
     return 0

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from llmrl.agents import Agent, WeightedMultiTask, build_agents
-from llmrl.config import ConfigError, RunConfig, load_config
+from llmrl.config import ConfigError, RunConfig
 from llmrl.inference.interface import InferenceInterface
 from llmrl.registry import import_plugins
 from llmrl.server.common import DEFAULT_HOST, error_response, run_server, secure_app
@@ -369,21 +369,19 @@ def _json(model: BaseModel) -> Response:
 
 
 def serve_env(
-    config_path: str,
+    config: RunConfig,
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
-    overrides: list[str] | None = None,
     inference_urls: Sequence[str] = (),
 ) -> None:
-    """Serve the environments of the config file at `config_path` until interrupted.
+    """Serve the environments of `config` until interrupted.
 
     The token for the inference endpoints is read from the environment variable the config's
     ``inference.api_key_env`` names; requests may name only the config's ``inference.base_url`` and
     `inference_urls` (any URL when there is none of them, and then no token).
     """
-    config = load_config(config_path, overrides)
     inference_api_key = None
     if config.inference.api_key_env:
         inference_api_key = os.environ.get(config.inference.api_key_env)

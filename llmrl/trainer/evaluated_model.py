@@ -112,12 +112,17 @@ def find_evaluated_model(path_or_spec: str) -> EvaluatedModel:
     )
 
 
-def with_model_folder(config: RunConfig) -> RunConfig:
+MERGED_START_MODELS = "start_models"
+"""The folder of a run folder that holds the LoRA adapters it starts from, merged onto their bases."""
+
+
+def with_model_folder(config: RunConfig, *, merge_lora: bool = False) -> RunConfig:
     """`config` with a run or checkpoint `model.spec` replaced by the model folder it stands for (a run
     folder: its latest checkpoint's), so that all that loads the model (the policy, its KL reference,
     the inference engine, the agents' tokenizers) and the run's resumes start from the same weights,
-    even while that run trains on. A LoRA checkpoint is refused: its merged model would have to outlive
-    the run, so it is written by `llmrl export` first."""
+    even while that run trains on. A LoRA checkpoint or adapter stands for its merged model, which must
+    outlive the run: with `merge_lora` (a run that trains) it is written into the run folder
+    (`merged_start_model`), else refused with how to write it (`llmrl export`)."""
     spec = config.model.spec
     if not Path(spec).expanduser().is_dir():
         return config
@@ -125,12 +130,39 @@ def with_model_folder(config: RunConfig) -> RunConfig:
         model = find_evaluated_model(spec)
     except UserError as error:
         raise ConfigError(f"model.spec: {error}") from None
+    folder = model.spec
     if model.adapter is not None:
-        raise ConfigError(
-            f"model.spec: {spec} holds a LoRA adapter, not a whole model to start from: write it merged onto "
-            f"its base ({model.spec}) with `llmrl export {spec} FOLDER` and set model.spec to FOLDER"
+        if not merge_lora:
+            raise ConfigError(
+                f"model.spec: {spec} holds a LoRA adapter, not a whole model: write it merged onto its base "
+                f"({model.spec}) with `llmrl export {spec} FOLDER` and set model.spec to FOLDER"
+            )
+        folder = str(merged_start_model(model, Path(config.run_dir), config.model.trust_remote_code))
+    return config.model_copy(update={"model": config.model.model_copy(update={"spec": folder})})
+
+
+def merged_start_model(model: EvaluatedModel, run_dir: Path, trust_remote_code: bool = False) -> Path:
+    """`model`'s LoRA adapter merged onto its base (in float32, as master weights are kept) in
+    `run_dir`'s `MERGED_START_MODELS`, in a folder named after the adapter's checkpoint or folder, so
+    that another one is another model spec, which a resume notices. Written once: each process of a
+    run merges into a scratch folder, and the first to finish renames it into place."""
+    assert model.adapter is not None
+    folder = run_dir / MERGED_START_MODELS / file_name_part(str(model.checkpoint or model.adapter))
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(
+        dir=folder.parent, prefix=".merging-", ignore_cleanup_errors=True
+    ) as scratch:
+        merge_adapter(
+            model.adapter, model.spec, scratch, dtype="float32", trust_remote_code=trust_remote_code
         )
-    return config.model_copy(update={"model": config.model.model_copy(update={"spec": model.spec})})
+        try:
+            os.rename(scratch, folder)
+        except OSError:
+            if not (folder / "config.json").is_file():  # not another process that was first
+                raise
+    return folder
 
 
 def run_model(run_dir: str | Path, untrained_spec: str) -> EvaluatedModel:

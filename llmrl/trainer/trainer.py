@@ -98,8 +98,7 @@ class Trainer:
                 fields that alter training (the default resumes only an identical config).
             progress_stream: where the progress display writes (default: stdout).
         """
-        # A run or checkpoint folder as model.spec stands for its model folder, pinned for the resumes.
-        config = self.config = with_model_folder(config)
+        self.config = config
         self.run_dir = Path(config.run_dir)
         self.progress_stream = progress_stream
         import_plugins(config.plugins)
@@ -112,6 +111,7 @@ class Trainer:
         self.run_lock: RunLock | None = None  # rank 0's alone
         try:
             self.run_lock = self._hold_run_dir()
+            config = self.config = self._with_model_folder(config)
             self._build(config, device, resume)
         except BaseException:
             self._close_inference()
@@ -132,6 +132,20 @@ class Trainer:
         if refusal is not None:
             raise refusal
         return lock
+
+    def _with_model_folder(self, config: RunConfig) -> RunConfig:
+        """A run or checkpoint folder as model.spec stands for its model folder, pinned for the resumes; a
+        LoRA one for its adapter merged into this run's folder. Rank 0 resolves (and merges) it for all."""
+        spec: str | UserError | None = None
+        if self.is_main:
+            try:
+                spec = with_model_folder(config, merge_lora=True).model.spec
+            except UserError as refusal:
+                spec = refusal
+        spec = self.processes.broadcast_object(spec)
+        if isinstance(spec, UserError):
+            raise spec
+        return config.model_copy(update={"model": config.model.model_copy(update={"spec": spec})})
 
     def _inference_config(self, config: RunConfig) -> InferenceConfig:
         """The inference section this run builds, with the embedded engine as the memory plan sized it."""

@@ -92,3 +92,9 @@ def test_the_saved_adapter_loads_in_peft_and_export_merges_it(tmp_path):
             assert torch.allclose(merged(input_ids=ids).logits, expected, atol=1e-4)
     finally:
         trained._close_inference()
+    # A run from the LoRA run starts from the same merged model, written into its own folder.
+    train(tmp_path / "next", f"model.spec={run}", "training.steps=1")
+    start = load_config(tmp_path / "next" / "config.yaml").model.spec
+    assert Path(start).parent == tmp_path / "next" / "start_models"
+    with torch.no_grad():
+        assert torch.allclose(load_model(start)[0](input_ids=ids).logits, expected, atol=1e-4)

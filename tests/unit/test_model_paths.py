@@ -18,7 +18,7 @@ from llmrl.errors import ModelSpecError
 from llmrl.models import load_model, loading
 from llmrl.server import inference_server
 from llmrl.trainer import checkpoint as ckpt
-from llmrl.trainer.evaluated_model import find_evaluated_model, with_model_folder
+from llmrl.trainer.evaluated_model import file_name_part, find_evaluated_model, with_model_folder
 from llmrl.trainer.policy import plan_training_memory
 
 RUN_CONFIG = "model:\n  spec: tiny://arithmetic\nenvironments: [{agent_type: arithmetic}]\n"
@@ -151,19 +151,55 @@ def test_a_run_folder_without_a_checkpoint_as_model_spec_says_what_makes_it(else
     )
 
 
-def test_a_lora_checkpoint_as_model_spec_is_refused_with_how_to_merge_it(tmp_path):
-    written = ckpt.start_checkpoint(tmp_path / "lora", 1)
-    (written / "adapter").mkdir()
-    (written / "adapter" / "adapter_config.json").write_text("{}")
-    lora_config = RUN_CONFIG.replace("arithmetic\n", "arithmetic\n  lora: {rank: 8}\n", 1)
+def lora_checkpoint(run_dir, tiny_model):
+    """A LoRA run's checkpoint whose adapter changes the tiny model (its B matrices are not zero)."""
+    import copy
+
+    import peft
+    import torch
+
+    model, _ = tiny_model
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(
+        copy.deepcopy(model),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    written = ckpt.start_checkpoint(run_dir, 1)
+    adapted.save_pretrained(written / "adapter")
+    lora_config = RUN_CONFIG.replace("arithmetic\n", "arithmetic\n  lora: {rank: 4}\n", 1)
     ckpt.write_run_state(written, trainer_state={}, config_yaml=lora_config)
-    checkpoint = ckpt.finish_checkpoint(tmp_path / "lora", 1, written, keep_last=1)
+    return ckpt.finish_checkpoint(run_dir, 1, written, keep_last=1)
+
+
+def test_a_lora_checkpoint_as_model_spec_is_refused_where_nothing_trains(tmp_path, tiny_model):
+    checkpoint = lora_checkpoint(tmp_path / "lora", tiny_model)
     with pytest.raises(ConfigError) as failure:
         with_model_folder(load_config(None, [f"model.spec={checkpoint}"]))
     assert str(failure.value) == (
-        f"model.spec: {checkpoint} holds a LoRA adapter, not a whole model to start from: write it merged "
-        f"onto its base (tiny://arithmetic) with `llmrl export {checkpoint} FOLDER` and set model.spec to FOLDER"
+        f"model.spec: {checkpoint} holds a LoRA adapter, not a whole model: write it merged onto its base "
+        f"(tiny://arithmetic) with `llmrl export {checkpoint} FOLDER` and set model.spec to FOLDER"
     )
+
+
+def test_a_run_starting_from_a_lora_run_merges_it_into_its_own_folder_once(tmp_path, tiny_model):
+    import torch
+
+    lora_run = tmp_path / "lora"
+    checkpoint = lora_checkpoint(lora_run, tiny_model)
+    overrides = ["model.spec=" + str(lora_run), f"run_dir={tmp_path / 'next'}"]
+    config = with_model_folder(load_config(None, overrides), merge_lora=True)
+    merged = tmp_path / "next" / "start_models" / file_name_part(str(checkpoint))
+    assert config.model.spec == str(merged)
+    written = (merged / "model.safetensors").stat().st_mtime_ns
+    assert (
+        with_model_folder(load_config(None, overrides), merge_lora=True) == config
+    )  # kept, not merged again
+    assert (merged / "model.safetensors").stat().st_mtime_ns == written
+    assert not [p for p in merged.parent.iterdir() if p.name.startswith(".merging-")]
+    model, _ = load_model(config.model.spec)
+    base = tiny_model[0].state_dict()
+    changed = [name for name, value in model.state_dict().items() if not torch.equal(value, base[name])]
+    assert changed and all("q_proj" in name or "v_proj" in name for name in changed)
 
 
 def test_serve_inference_serves_a_run_folders_latest_checkpoint(tmp_path, tiny_model, monkeypatch, capsys):
@@ -177,3 +213,18 @@ def test_serve_inference_serves_a_run_folders_latest_checkpoint(tmp_path, tiny_m
         assert client.get("/v1/models").json()["data"][0]["id"] == str(tmp_path / "run")
         answer = client.post("/v1/completions", json={"prompt": "2 + 3 =", "max_tokens": 2})
         assert answer.status_code == 200 and len(answer.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_serve_env_takes_a_run_folder_as_model_spec(tmp_path, tiny_model, monkeypatch):
+    from llmrl.server import env_server
+
+    latest = trained_run(tmp_path / "run", tiny_model)
+    config_file = tmp_path / "env.yaml"
+    config_file.write_text(RUN_CONFIG.replace("tiny://arithmetic", str(tmp_path / "run")))
+    served = []
+    monkeypatch.setattr(env_server, "run_server", lambda app, host, port: served.append(app))
+    monkeypatch.setattr(env_server, "create_env_app", lambda config, **options: config)
+    monkeypatch.setattr(cli, "_server_logging", lambda: None)
+    assert main(["serve-env", str(config_file)]) == 0
+    (config,) = served
+    assert config.model.spec == str(latest / "model")
