@@ -89,14 +89,6 @@ def _evaluate(config: RunConfig, title: str) -> dict[str, dict[str, float]]:
     return summary
 
 
-def _model_spec(path_or_spec: str) -> str:
-    """A run or checkpoint folder stands for the model folder inside it; anything else is a model spec."""
-    from llmrl.trainer.checkpoint import resolve_model_folder
-
-    folder = resolve_model_folder(path_or_spec) if Path(path_or_spec).is_dir() else None
-    return str(folder) if folder is not None else path_or_spec
-
-
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
@@ -272,17 +264,21 @@ def _add_server_arguments(parser: argparse.ArgumentParser, default_port: int) ->
 
 def cmd_export(args: argparse.Namespace) -> int:
     from llmrl.models import export_model
-    from llmrl.trainer.lora import adapter_checkpoint, export_merged
+    from llmrl.trainer.evaluated_model import find_evaluated_model
+    from llmrl.trainer.lora import merge_adapter
 
-    checkpoint = adapter_checkpoint(Path(args.source))
-    if checkpoint is not None:
-        path = export_merged(checkpoint, args.output, dtype=args.dtype)
-        print(
-            f"wrote {checkpoint}'s LoRA adapter merged into its base model as a Hugging Face model folder: {path}"
+    # What `llmrl eval --model` evaluates: a run folder its latest checkpoint, a LoRA one merged onto its base.
+    model = find_evaluated_model(args.source)
+    if model.adapter is None:
+        path = export_model(model.spec, args.output, dtype=args.dtype)
+    else:
+        trust_remote_code = (
+            model.run_config is not None and load_config(model.run_config).model.trust_remote_code
         )
-        return 0
-    path = export_model(_model_spec(args.source), args.output, dtype=args.dtype)
-    print(f"wrote {args.source} as a Hugging Face model folder: {path}")
+        path = merge_adapter(
+            model.adapter, model.spec, args.output, dtype=args.dtype, trust_remote_code=trust_remote_code
+        )
+    print(f"wrote {model.description} as a Hugging Face model folder: {path}")
     return 0
 
 

@@ -49,7 +49,6 @@ which rank, is `llmrl.trainer.checkpointer`'s choice.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -230,15 +229,7 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 
 def _crc32(path: Path) -> str:
-    stat = path.stat()
-    return _crc32_of(path.resolve(), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=1024)
-def _crc32_of(path: Path, inode: int, size: int, mtime_ns: int) -> str:
-    """The file's CRC-32 as 8 hex digits. Cached by the file's identity and version: a checkpoint
-    checked twice in one command (``llmrl export`` of a run looks for a LoRA checkpoint, then for a
-    full one) is read once while its files stay as they were."""
+    """The file's CRC-32 as 8 hex digits."""
     crc = 0
     buffer = bytearray(_READ_CHUNK)
     view = memoryview(buffer)
@@ -543,18 +534,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def resolve_model_folder(path: str | Path) -> Path | None:
-    """The Hugging Face model folder inside a checkpoint (refused when torn) or run folder (its latest
-    complete checkpoint), if any (a LoRA checkpoint has none: its adapter stands on the run's base
-    model)."""
-    path = Path(path)
-    if (path / "model" / "config.json").is_file():
-        check_named_checkpoint(path)
-        return path / "model"
-    latest = latest_checkpoint(path)
-    return latest[1] / "model" if latest and (latest[1] / "model" / "config.json").is_file() else None
 
 
 def checkpoint_step(folder: str | Path) -> int | None:

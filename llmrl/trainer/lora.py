@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from llmrl.config import LoraConfig
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, write_model_folder
-from llmrl.weights.adapters import ADAPTER_CONFIG, ADAPTER_FILE, AdapterWeights
+from llmrl.weights.adapters import ADAPTER_FILE, AdapterWeights
 
 ADAPTER_FOLDER = "adapter"
 """A LoRA checkpoint's adapter, in PEFT's format (the base model is the run's `model.spec`)."""
@@ -117,33 +117,6 @@ def adapter_sizes(model: torch.nn.Module, lora: LoraConfig) -> tuple[int, int]:
     layers = [m for m in adapters.model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     adapted = sum(m.base_layer.weight.numel() for m in layers)
     return sum(p.numel() for p in adapters.trainable()), adapted
-
-
-def adapter_checkpoint(path: Path) -> Path | None:
-    """The LoRA checkpoint a checkpoint (refused when torn) or run folder (its latest complete
-    checkpoint) stands for, if any."""
-    from llmrl.trainer.checkpoint import check_named_checkpoint, latest_checkpoint
-
-    if (path / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file():
-        check_named_checkpoint(path)
-        return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
-    return latest[1] if latest and (latest[1] / ADAPTER_FOLDER / ADAPTER_CONFIG).is_file() else None
-
-
-def export_merged(checkpoint: Path, output_dir: str | Path, *, dtype: str) -> Path:
-    """The checkpoint's adapter merged into its run's base model (`model.spec`), written in `dtype` as
-    a plain Hugging Face folder; the merge is done in float32."""
-    from llmrl.config import load_config
-
-    config = load_config(checkpoint / "config.yaml")
-    return merge_adapter(
-        checkpoint / ADAPTER_FOLDER,
-        config.model.spec,
-        output_dir,
-        dtype=dtype,
-        trust_remote_code=config.model.trust_remote_code,
-    )
 
 
 def merge_adapter(

@@ -520,7 +520,7 @@ def test_checkpoints_keep_the_last_k_and_ignore_half_written_ones(tmp_path):
     assert (folder / "model" / "model.safetensors").is_file() and (folder / "config.yaml").is_file()
     save(tmp_path, 5)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
-    assert ckpt.resolve_model_folder(tmp_path) == tmp_path / "checkpoints" / "step_000005" / "model"
+    assert ckpt.latest_checkpoint(tmp_path)[1] == tmp_path / "checkpoints" / "step_000005"
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         ckpt.load_trainer_state(torn)
 
