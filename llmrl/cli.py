@@ -7,6 +7,9 @@
     llmrl export SOURCE OUTPUT                      write a model as a plain Hugging Face folder
     llmrl config show [CONFIG] [--set key=value]    print the fully resolved config
 
+The commands but `config` leave out the warnings, log lines and progress bars of the libraries llmrl
+runs on, unless run with `--verbose` (`llmrl.quiet`); llmrl's own lines and every error show.
+
 User mistakes (a `UserError`: a bad config, model spec or plug-in name; a missing or existing file)
 print one clear message and exit with status 2; any other exception is a bug and keeps its traceback.
 Ctrl-C exits with 130. A training run stops on SIGINT (Ctrl-C), SIGTERM or SIGHUP after it saves a
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from llmrl.config import ConfigError, RunConfig, dump_config, load_config
 from llmrl.errors import UserCodeError, UserError
+from llmrl.quiet import quiet_libraries
 from llmrl.stopping import StoppedBySignal
 
 EXIT_FAILED = 1
@@ -163,13 +167,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _run_where_vllm_is(config: RunConfig, args: argparse.Namespace) -> None:
     """Colocated vLLM runs in the trainer's process: when this interpreter lacks vllm, the command
-    runs again, whole, with the one that has it (`VLLMConfig.python`'s search: `.venv-vllm`)."""
+    runs again, whole, with the one that has it (`VLLMConfig.python`'s search: `.venv-vllm`). Without
+    `--verbose` it logs errors alone (a managed server logs everything, to its file)."""
     import importlib.util
 
     from llmrl.inference.vllm import find_vllm_python
 
     inference = config.inference
-    if inference.type != "vllm" or inference.vllm.mode != "colocate" or importlib.util.find_spec("vllm"):
+    if inference.type != "vllm" or inference.vllm.mode != "colocate":
+        return
+    if not args.verbose:  # read as vLLM is imported, which sets its loggers' levels from it
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if importlib.util.find_spec("vllm"):
         return
     python = find_vllm_python(inference.vllm.python)
     # Not resolved: a virtual environment's python is a link to the same interpreter as others.
@@ -304,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     ) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.set_defaults(handler=handler)
+        sub.add_argument(
+            "--verbose",
+            action="store_true",
+            help="also show the warnings, log lines and progress bars of the libraries llmrl runs on "
+            "(transformers, datasets, the Hugging Face hub, ...), which are left out by default",
+        )
         return sub
 
     train = command("train", cmd_train, "Train a policy with GRPO-family RL (no CONFIG: the built-in demo).")
@@ -402,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if not getattr(args, "verbose", True):  # `llmrl config` loads no library
+        quiet_libraries()
     try:
         return args.handler(args)
     except UserCodeError as exc:  # the run started: what failed is the user's code, not its config

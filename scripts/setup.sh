@@ -23,6 +23,10 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   exit 1
 fi
 
+# setuptools' editable build warns on every install that a folder named like the package could shadow
+# it; here the folder named llmrl is the package itself. That one warning is filtered out, nothing else.
+editable_note="ignore:Editable installation.:UserWarning:setuptools.command.editable_wheel"
+
 install() {  # install VENV LOCK PIP-ARGS...: pip install into VENV with LOCK as constraints
   local venv="$1" lock="$2"
   shift 2
@@ -41,7 +45,8 @@ fi
 # then torch on its own: the CPU build where pip finds one.
 install .venv locks/trainer.txt pip setuptools
 install .venv locks/trainer.txt "torch==2.13.0"
-install .venv locks/trainer.txt --no-build-isolation -e ".${extras:+[$extras]}"
+PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}$editable_note" \
+  install .venv locks/trainer.txt --no-build-isolation -e ".${extras:+[$extras]}"
 .venv/bin/python -c "import torch, llmrl; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 .venv/bin/python scripts/check_locked.py locks/trainer.txt ${strict[@]+"${strict[@]}"}
 echo "llmrl installed in .venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
@@ -70,7 +75,8 @@ if $with_vllm; then
     # to load beside this one; vLLM serves text models without them.
     .venv-vllm/bin/python -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec
   fi
-  install .venv-vllm "$lock" --no-build-isolation -e ".${extras:+[$extras]}"
+  PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}$editable_note" \
+    install .venv-vllm "$lock" --no-build-isolation -e ".${extras:+[$extras]}"
   .venv-vllm/bin/python -c "import torch, vllm, llmrl.weights.vllm_worker, llmrl.trainer; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   .venv-vllm/bin/python scripts/check_locked.py "$lock" ${strict[@]+"${strict[@]}"}
   echo "vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)') installed in .venv-vllm for managed servers and colocated training ($lock)"

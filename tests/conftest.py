@@ -31,6 +31,13 @@ def tiny_model(tiny_model_path):
     return load_model("tiny://arithmetic")
 
 
+@pytest.fixture(autouse=True)
+def libraries_left_as_they_are(monkeypatch):
+    """`llmrl.cli.main` quiets the libraries for the rest of its process: tests that call it in pytest's
+    process leave the session's libraries as they are (tests/unit/test_quiet.py runs it in its own)."""
+    monkeypatch.setattr("llmrl.cli.quiet_libraries", lambda: None)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a module of tests (restored after it)."""

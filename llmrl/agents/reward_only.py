@@ -21,10 +21,11 @@ message or None to stop. Everything else is done here:
   tokens however the requests interleave;
 * failures are isolated: an exception or a timeout in inference, `observe` or `reward` (or a reward
   that is not a finite number) turns the affected rollouts into placeholders
-  (`status="placeholder"`, `failure_reason`), counted in `pop_metrics()`, while the rest of the
-  group and batch go on. The reason of a failure in `observe` or `reward` names the file and line
-  of the user's code (`llmrl.errors.code_location`); each distinct reason is logged once per call of
-  `group_rollouts` or `evaluate`, with its count. A request the inference refuses for what it holds
+  (`status="placeholder"`, `failure_reason`), counted in `pop_metrics()` (those of
+  `group_rollouts`; an evaluation's results count its own), while the rest of the group and batch
+  go on. The reason of a failure in `observe` or `reward` names the file and line of the user's code
+  (`llmrl.errors.code_location`); each distinct reason is logged once per call of `group_rollouts`
+  or `evaluate`, with its count. A request the inference refuses for what it holds
   (`RequestRejected`: too long for the context) fails as the problem's data (``data:``), not the
   inference; problems whose first prompt cannot fit are left out before training
   (`drop_overlong_prompts`).
@@ -39,6 +40,8 @@ reward functions written for TRL) only works there; such calls have no `reward_t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -46,7 +49,7 @@ import random
 import threading
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -86,6 +89,21 @@ log = logging.getLogger(__name__)
 # The held-out split must not move when the run seed changes, or evaluations of different seeds
 # would not be comparable; it depends only on the problem list.
 _HELD_OUT_SEED = "llmrl-held-out"
+
+_evaluating: contextvars.ContextVar[bool] = contextvars.ContextVar("llmrl_evaluating", default=False)
+"""True within `ProblemSetAgent.evaluate`: the failures there are the evaluation's, counted in its
+results (``failed_samples``), not in `pop_metrics`, which counts the training steps' (step 1's would
+otherwise hold the starting evaluation's). A context variable, so that training draws generating
+meanwhile (ahead, on their own thread) keep counting theirs."""
+
+
+@contextlib.contextmanager
+def _counted_by_the_evaluation() -> Iterator[None]:
+    token = _evaluating.set(True)
+    try:
+        yield
+    finally:
+        _evaluating.reset(token)
 
 
 class ProblemSetAgent(Agent):
@@ -256,7 +274,7 @@ class ProblemSetAgent(Agent):
                 failed=len(sampled) - len(scored) + len(greedy_sample) - (best is not None),
             )
 
-        with placeholders_logged_once("in evaluation"):
+        with placeholders_logged_once("in evaluation"), _counted_by_the_evaluation():
             results = await asyncio.gather(*(evaluate_one(p) for p in self.eval_problems[:num_prompts]))
         return EvaluationResponse(env_id=self.env_id, results=list(results))
 
@@ -276,9 +294,11 @@ class ProblemSetAgent(Agent):
         return (caller or GenerationArgs()).merge(self.generation_args)
 
     def _count_failure(self, stage: str, reason: str, *, count: int) -> None:
-        """Count and log `count` rollouts replaced by placeholders for `reason`."""
-        self._counters[f"failures/{stage}"] += 1
-        self._counters["placeholders"] += count
+        """Count and log `count` rollouts replaced by placeholders for `reason` (in an evaluation: log
+        them; its results count them)."""
+        if not _evaluating.get():
+            self._counters[f"failures/{stage}"] += 1
+            self._counters["placeholders"] += count
         log_placeholders(self.env_id, reason, count)
 
 

@@ -45,9 +45,9 @@ from llmrl.types import RolloutGroup
 
 BANK_FILE = "rollout_bank.jsonl"
 
-_WRITING = threading.Lock()
-"""Held while any bank of this process appends or rewrites: generation appends from its own thread
-while a checkpoint compacts."""
+_ACCESS = threading.RLock()
+"""Held while any bank of this process reads, appends or rewrites: generation appends from its own
+thread while a checkpoint compacts (which reads, within), and a line being appended is not torn."""
 
 
 @dataclass
@@ -112,7 +112,8 @@ class RolloutBank:
         self._append(_line(record))
 
     def read(self) -> list[BankedBatch]:
-        """Every intact batch, in file order; torn or corrupt lines are skipped with a warning."""
+        """Every intact batch, in file order; torn or corrupt lines are skipped with a warning (a torn
+        last line is cut off the file, so that it is named once)."""
         return [e for e in self._entries() if isinstance(e, BankedBatch)]
 
     def read_partial(self) -> PartialRecords:
@@ -137,15 +138,19 @@ class RolloutBank:
         return records
 
     def _entries(self) -> list[Entry]:
-        if not self.path.exists():
-            return []
-        return read_jsonl(self.path, _parse, skip_bad_lines=True)
+        with _ACCESS:
+            if not self.path.exists():
+                return []
+            entries = read_jsonl(self.path, _parse, skip_bad_lines=True)
+            if not ends_with_newline(self.path):  # torn by a crash mid-append, and named just now
+                self._rewrite(entries)
+            return entries
 
     def _append(self, line: str) -> None:
-        with _WRITING:
+        with _ACCESS:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not ends_with_newline(self.path):
-                self._rewrite(self._entries())
+                self._entries()  # cuts the torn line off
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write(line)
                 handle.flush()
@@ -157,7 +162,7 @@ class RolloutBank:
     def compact(self, trained_step: int) -> None:
         """Keep only what steps after `trained_step` train on (called once that step is checkpointed):
         their batches, and the partial-rollouts records of groups no step up to it took."""
-        with _WRITING:
+        with _ACCESS:
             if not self.path.exists():
                 return
             entries = self._entries()

@@ -19,6 +19,9 @@ from llmrl.seeding import derive_seed
 from llmrl.telemetry import trace_span
 from llmrl.types import GenerationArgs
 
+_HEADLINE = ("pass@1", "greedy_accuracy")
+"""The metrics an evaluation's line shows."""
+
 
 class Evaluator:
     """Evaluates the policy on every environment's held-out problems, as `settings` ask."""
@@ -74,11 +77,13 @@ class Evaluator:
         }
 
     def line(self, step: int) -> str:
-        """The evaluation of `step` in one line of the progress display."""
+        """The evaluation of `step` in one line of the progress display, with the samples that failed
+        (not scored, and not counted in any training step's failures) where some did."""
         parts = []
         for env, metrics in self.evaluations[step].items():
-            shown = ", ".join(
-                f"{name} {metrics[name]:.3f}" for name in ("pass@1", "greedy_accuracy") if name in metrics
-            )
-            parts.append(f"{env}: {shown}")
-        return f"evaluation at step {step}: " + "; ".join(parts)
+            shown = [f"{name} {metrics[name]:.3f}" for name in _HEADLINE if name in metrics]
+            if metrics.get("failed_samples"):
+                shown.append(f"{metrics['failed_samples']:.0f} failed samples")
+            parts.append(f"{env}: {', '.join(shown)}")
+        when = "before training (step 0)" if step == 0 else f"at step {step}"
+        return f"evaluation {when}: " + "; ".join(parts)

@@ -1,8 +1,9 @@
 """Live progress of an RL run: a rich progress bar on a terminal, one plain line per step elsewhere.
 
-`ProgressDisplay` shows step k/N and, when the step's metrics carry them, mean reward, pass rate, KL,
-tokens per second and seconds per step; the rich bar adds elapsed time and an ETA. Lines passed to
-`message` (evaluation summaries, checkpoint notices) appear above the bar.
+`ProgressDisplay` shows step k/N and, when the step's metrics carry them, mean reward, pass rate, the
+KL to the reference (a run with a KL term), tokens per second and seconds per step; the rich bar adds
+elapsed time and an ETA. Lines passed to `message` (evaluation summaries, checkpoint notices) appear
+above the bar.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ DisplayMode = Literal["auto", "rich", "plain", "off"]
 _SHOWN_METRICS: tuple[tuple[str, tuple[str, ...], str, bool], ...] = (
     ("reward", ("reward/mean",), ".3f", False),
     ("pass", ("reward/pass_rate",), ".3f", False),
-    ("kl", ("train/kl", "train/approx_kl"), ".2g", False),
+    # Not `train/kl`, which a run without a KL term fills with KL(pi_old || pi): 0 with one mini-batch.
+    ("kl", ("train/ref_kl",), ".2g", False),
     ("tok/s", ("perf/tokens_per_s",), ".0f", False),
     ("s/step", ("time/step_s",), ".3g", True),
 )

@@ -315,8 +315,6 @@ class Trainer:
         if config.training.deterministic:
             stack.enter_context(_deterministic_algorithms())
         self.outputs.open(stack, resume_step=self.step if self.resumed else None)
-        if self.evaluator.due_at_start(self.step):
-            self.outputs.log(0, self.evaluator.evaluate(0, self.inference))
         display = stack.enter_context(
             ProgressDisplay(
                 steps,
@@ -328,6 +326,9 @@ class Trainer:
         display.message(self.memory_plan.render())
         if self.models.adapters is not None:
             display.message(self.models.adapters.summary())
+        if self.evaluator.due_at_start(self.step):
+            self.outputs.log(0, self.evaluator.evaluate(0, self.inference))
+            display.message(self.evaluator.line(0))
         stop_requested = self._stop_requests(stack, display)
         self.rollouts = stack.enter_context(
             contextlib.closing(

@@ -1,5 +1,5 @@
-"""Evaluation never scores a failure as a wrong answer, and asks for more samples than a server's `n` cap in
-parts."""
+"""Evaluation never scores a failure as a wrong answer, counts its failures apart from the training
+steps' (and says them on its line), and asks for more samples than a server's `n` cap in parts."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from llmrl.evaluation import evaluate_environments
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.openai import OpenAIInterface
 from llmrl.server.inference_server import create_inference_app
+from llmrl.trainer.evaluator import Evaluator
 from llmrl.types import GenerationArgs, InferenceRequest
 
 
@@ -85,6 +86,41 @@ def test_failed_samples_are_counted_not_scored_as_wrong():
     everything = FlakyInference({p.answer for p in problems})
     metrics = asyncio.run(evaluate_environments(agents, everything, config, GenerationArgs()))["echo"]
     assert metrics == {"problems": 4.0, "failed_samples": 12.0}  # no accuracy at all rather than a false 0
+
+
+class BrokenReward(EchoAgent):
+    def reward(self, response, problem):
+        raise KeyError("answer")
+
+
+def test_an_evaluations_failures_are_counted_by_it_not_by_the_training_step_after_it():
+    """Step 1's failure counters held the starting evaluation's failures as well as its own."""
+    agents = WeightedMultiTask([BrokenReward(env_id="echo", seed=0, eval_size=4)], [1.0])
+    inference = ScriptedInference(lambda prompt, index: answer_of(prompt))
+    config = EvaluationConfig(num_prompts=4, samples_per_prompt=2, ks=[1, 2], greedy=True)
+
+    async def evaluate_while_a_batch_generates():
+        return await asyncio.gather(
+            evaluate_environments(agents, inference, config, GenerationArgs()),
+            agents.group_rollouts(inference, 2, 3),
+        )
+
+    summary, groups = asyncio.run(evaluate_while_a_batch_generates())
+    assert summary["echo"] == {"problems": 4.0, "failed_samples": 12.0}
+    assert sum(not r.is_valid for g in groups for r in g.rollouts) == 6
+    assert agents.pop_metrics() == {"echo/failures/reward": 6.0, "echo/placeholders": 6.0}
+
+
+def test_the_evaluation_line_says_how_many_samples_failed():
+    evaluator = Evaluator(None, EvaluationConfig(), GenerationArgs(seed=0))
+    evaluator.evaluations = {
+        0: {"echo": {"pass@1": 0.5, "greedy_accuracy": 1.0, "failed_samples": 3.0}},
+        2: {"echo": {"pass@1": 0.75, "greedy_accuracy": 1.0, "failed_samples": 0.0}},
+    }
+    assert evaluator.line(0) == (
+        "evaluation before training (step 0): echo: pass@1 0.500, greedy_accuracy 1.000, 3 failed samples"
+    )
+    assert evaluator.line(2) == "evaluation at step 2: echo: pass@1 0.750, greedy_accuracy 1.000"
 
 
 @pytest.mark.parametrize("n, parts", [(64, [64]), (65, [64, 1]), (130, [64, 64, 2])])

@@ -9,6 +9,8 @@ import math
 import matplotlib.image
 import pytest
 
+from llmrl.config import load_config
+from llmrl.trainer import Trainer
 from llmrl.trainer.plots import plot_curves
 from llmrl.trainer.progress import ProgressDisplay, format_metrics
 
@@ -18,6 +20,7 @@ FULL_METRICS = {
     "reward/mean": 0.41234,
     "reward/pass_rate": 0.375,
     "train/kl": 0.0012,
+    "train/ref_kl": 0.0012,
     "train/approx_kl": 0.5,
     "perf/tokens_per_s": 5123.4,
     "time/step_s": 1.8,
@@ -37,8 +40,11 @@ def test_format_metrics_shows_headline_metrics_in_order():
     assert format_metrics(FULL_METRICS) == "reward 0.412  pass 0.375  kl 0.0012  tok/s 5123  1.8 s/step"
 
 
-def test_format_metrics_falls_back_to_approx_kl_and_omits_missing_keys():
-    assert format_metrics({"train/approx_kl": 0.25, "time/step_s": 12.0}) == "kl 0.25  12 s/step"
+def test_format_metrics_shows_kl_only_with_a_kl_term_and_omits_missing_keys():
+    # A run without a KL term logs train/kl as KL(pi_old || pi), 0 with one mini-batch: no "kl 0".
+    assert format_metrics({"train/kl": 0.0, "train/approx_kl": 0.0, "time/step_s": 12.0}) == "12 s/step"
+    with_kl_term = {"train/kl": 0.25, "train/ref_kl": 0.25, "time/step_s": 12.0}
+    assert format_metrics(with_kl_term) == "kl 0.25  12 s/step"
     assert format_metrics({"train/loss": 1.0}) == ""
 
 
@@ -115,6 +121,32 @@ def test_close_is_idempotent_and_later_updates_are_refused():
 def test_invalid_arguments_are_rejected(total_steps, start_step, mode):
     with pytest.raises(ValueError):
         ProgressDisplay(total_steps, start_step=start_step, mode=mode, stream=io.StringIO())
+
+
+def test_a_run_prints_its_starting_evaluation_and_no_kl_without_a_kl_term(tmp_path):
+    config = load_config(
+        None,
+        [
+            f"run_dir={tmp_path}",
+            "training.steps=1",
+            "training.prompts_per_step=2",
+            "training.group_size=2",
+            "evaluation.num_prompts=2",
+            "evaluation.samples_per_prompt=1",
+            "evaluation.ks=[1]",
+            "logging.progress=plain",
+            "logging.tensorboard=false",
+            "logging.trace=false",
+        ],
+    )
+    stream = io.StringIO()
+    Trainer(config, progress_stream=stream).run()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("memory plan")
+    started, evaluated, stepped = lines[-3:]  # after the memory plan
+    assert started.startswith("evaluation before training (step 0): arithmetic: pass@1 ")
+    assert evaluated.startswith("evaluation at step 1: arithmetic: pass@1 ")
+    assert stepped.startswith("step 1/1  reward ") and " kl " not in stepped  # kl_beta is 0
 
 
 # ---------------------------------------------------------------- plot_curves

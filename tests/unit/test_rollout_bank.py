@@ -57,6 +57,26 @@ def test_a_torn_last_line_is_skipped_and_cut_before_the_next_append(tmp_path, ca
     assert path.read_text().count("\n") == 2
 
 
+def test_a_torn_last_line_is_named_once_however_the_resumed_run_goes_on(tmp_path, caplog):
+    for then in ("append", "compact"):  # a new batch first, or a checkpoint of a banked one
+        run = tmp_path / then
+        bank = RolloutBank(run)
+        bank.append(batch(1))
+        bank.append(batch(2))
+        path = run / BANK_FILE
+        path.write_bytes(path.read_bytes()[:-40])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert [b.step for b in bank.pending(0)] == [1]  # the resume's read
+            if then == "append":
+                bank.append(batch(2))
+            else:
+                bank.compact(1)
+            bank.read()
+        torn = [r.getMessage() for r in caplog.records if "skipped a torn line" in r.getMessage()]
+        assert len(torn) == 1 and torn[0].startswith(f"{path}:2: "), (then, torn)
+
+
 def test_a_corrupt_record_fails_its_checksum_and_is_never_loaded(tmp_path):
     bank = RolloutBank(tmp_path)
     bank.append(batch(1))
