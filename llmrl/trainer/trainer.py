@@ -519,7 +519,9 @@ def _stop_on_signals(
             name = signal.Signals(signum).name
             again = "Ctrl-C" if signum == signal.SIGINT else name
             hint = f" ({again} again stops at once)" if second_stops_at_once else ""
-            display.message(f"{name}: stopping after this step and saving a checkpoint{hint}")
+            # With save_now, a step that has not begun its update is abandoned, and says so in a line of its own.
+            when = " (a step that has begun its update finishes first)" if save_now else " after this step"
+            display.message(f"{name}: stopping{when} and saving a checkpoint{hint}")
 
         previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
         try:

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from llmrl.stopping import StepAbandoned, StoppedBySignal, abandonable, stop_abandons_steps
+from llmrl.trainer.trainer import _stop_on_signals
 
 
 @pytest.mark.parametrize(
@@ -81,3 +82,35 @@ def test_a_stop_during_an_event_loop_cancels_its_tasks_and_abandons_once_they_en
     with stop_abandons_steps() as abandon, pytest.raises(StepAbandoned) as stop, abandonable():
         asyncio.run(draw(abandon))
     assert ended == ["request"] and stop.value.signum == signal.SIGTERM
+
+
+class Lines:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def message(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest.mark.parametrize(
+    ("save_now", "line"),
+    [
+        (False, "SIGTERM: stopping after this step and saving a checkpoint (SIGTERM again stops at once)"),
+        (
+            True,
+            "SIGTERM: stopping (a step that has begun its update finishes first) and saving a checkpoint "
+            "(SIGTERM again stops at once)",
+        ),
+    ],
+)
+def test_a_signal_outside_a_wait_is_acknowledged_in_one_line_that_holds_for_either_setting(save_now, line):
+    """Between steps with save_now, the next step is abandoned with a line of its own: the first line
+    must not promise to finish it."""
+    display = Lines()
+    with _stop_on_signals(display, save_now=save_now) as received:
+        signal.raise_signal(signal.SIGTERM)
+        assert received() == signal.SIGTERM
+        if save_now:
+            with pytest.raises(StepAbandoned), abandonable():
+                pass
+    assert display.lines == [line]
