@@ -1,6 +1,7 @@
 """On-policy distillation vs GRPO on the demo task, against the teacher itself.
 
     python bench/distill.py [--teacher runs/demo] [--steps 60] [--seeds 0 1 2] [--signals top_k sampled]
+                            [--served] [--no-grpo]
 
 The student is the untrained `tiny://arithmetic`; the teacher the demo's trained model (`--teacher`,
 a run or checkpoint folder; when it has no checkpoint, the demo is trained first into a scratch
@@ -8,7 +9,9 @@ folder, about 3 minutes on 2 CPU cores with OMP_NUM_THREADS=1). For each seed, i
 each, `examples/arithmetic_distill.yaml` runs `--steps` steps with distillation, once per
 `--signals` (`distillation.signal`: `top_k`, `sampled`), and again with GRPO at the same settings (no
 `distillation` section, the rewards alone); the teacher is evaluated on the same held-out problems
-(64 problems x 8 samples, the seed's). Prints a markdown table: held-out pass@1 of the teacher, of
+(64 problems x 8 samples, the seed's). With `--served` the students reach the teacher through
+`llmrl serve-inference` (`examples/arithmetic_distill_served.yaml`, `distillation.teacher_server`),
+which the bench starts; `--no-grpo` leaves the GRPO runs out. Prints a markdown table: held-out pass@1 of the teacher, of
 each distilled student and of the GRPO student, and each distillation run's reverse KL to the
 teacher (`distill/reverse_kl`, mean over sampled tokens) over its first and last 10 steps. Figures:
 docs/benchmarks.md, "On-policy distillation against GRPO" (about 6 minutes a seed).
@@ -17,17 +20,24 @@ docs/benchmarks.md, "On-policy distillation against GRPO" (about 6 minutes a see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
+from llmrl.processes import free_port
 from llmrl.telemetry import read_metrics
 from llmrl.trainer import checkpoint as ckpt
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic_distill.yaml"
+EXAMPLE_SERVED = EXAMPLE.with_name("arithmetic_distill_served.yaml")
 QUIET = ["logging.progress=off", "logging.tensorboard=false", "checkpoint.every=0"]
 RUN = """
 import sys
@@ -51,17 +61,42 @@ def held_out_pass_at_1(run_dir: Path) -> float:
 
 
 def teacher_folder(teacher: Path, scratch: Path) -> Path:
-    """The teacher's model folder; the demo is trained into `scratch` when `teacher` has none."""
-    folder = ckpt.resolve_model_folder(teacher)
-    if folder is None:
+    """The teacher's run folder (a model is taken from its latest checkpoint); the demo is trained into
+    `scratch` when `teacher` has none."""
+    if ckpt.latest_checkpoint(teacher) is None:
         print(f"{teacher} holds no trained model: training the demo into a scratch folder first", flush=True)
         train(scratch / "demo", None)
-        folder = ckpt.resolve_model_folder(scratch / "demo")
-        assert folder is not None
-    return folder
+        return scratch / "demo"
+    return teacher
 
 
-def compare(seed: int, steps: int, teacher: Path, scratch: Path, signals: list[str]) -> dict[str, float]:
+@contextlib.contextmanager
+def teacher_server(teacher: Path, log: Path) -> Iterator[str]:
+    """`llmrl serve-inference --model teacher` until the block ends; yields its API root."""
+    port = free_port()
+    with open(log, "w") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "llmrl", "serve-inference", "--model", str(teacher), "--port", str(port)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        while True:
+            assert server.poll() is None, f"the teacher server exited: {log.read_text()}"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def compare(
+    seed: int, steps: int, teacher: Path, scratch: Path, signals: list[str], served: str | None, grpo: bool
+) -> dict[str, float]:
+    """One seed's runs; `served`: the teacher server's URL (None: the teacher loaded in each run)."""
     common = [f"seed={seed}", f"training.steps={steps}", "evaluation.at_start=false", "evaluation.every=0"]
     train(
         scratch / f"teacher{seed}",
@@ -74,19 +109,25 @@ def compare(seed: int, steps: int, teacher: Path, scratch: Path, signals: list[s
     results = {"teacher": held_out_pass_at_1(scratch / f"teacher{seed}")}
     for signal in signals:
         run = scratch / f"{signal}{seed}"
-        train(run, EXAMPLE, *common, f"distillation.teacher={teacher}", f"distillation.signal={signal}")
+        if served is None:
+            train(run, EXAMPLE, *common, f"distillation.teacher={teacher}", f"distillation.signal={signal}")
+        else:
+            url = f"distillation.teacher_server.url={served}"
+            train(run, EXAMPLE_SERVED, *common, url, f"distillation.signal={signal}")
         rows = [r for r in read_metrics(run / "metrics.jsonl") if "distill/reverse_kl" in r]
         results[signal] = held_out_pass_at_1(run)
         results[f"{signal}_kl_first"] = statistics.mean(r["distill/reverse_kl"] for r in rows[:10])
         results[f"{signal}_kl_last"] = statistics.mean(r["distill/reverse_kl"] for r in rows[-10:])
-    train(scratch / f"grpo{seed}", EXAMPLE, *common, "distillation=null")
-    results["grpo"] = held_out_pass_at_1(scratch / f"grpo{seed}")
+    if grpo:
+        train(scratch / f"grpo{seed}", EXAMPLE, *common, "distillation=null")
+        results["grpo"] = held_out_pass_at_1(scratch / f"grpo{seed}")
     return results
 
 
 def row(name: object, f: dict[str, float], signals: list[str]) -> str:
-    cells = [f"{f['teacher']:.3f}", *(f"{f[s]:.3f}" for s in signals), f"{f['grpo']:.3f}"]
-    cells += [f"{100 * (f[s] - f['teacher']):+.1f}" for s in [*signals, "grpo"]]
+    students = [*signals, *(["grpo"] if "grpo" in f else [])]
+    cells = [f"{f['teacher']:.3f}", *(f"{f[s]:.3f}" for s in students)]
+    cells += [f"{100 * (f[s] - f['teacher']):+.1f}" for s in students]
     cells += [f"{f[f'{s}_kl_first']:.3f} -> {f[f'{s}_kl_last']:.3f}" for s in signals]
     return f"| {name} | " + " | ".join(cells) + " |"
 
@@ -105,13 +146,15 @@ def main() -> None:
         default=["top_k", "sampled"],
         help="distillation.signal of each distillation run",
     )
+    parser.add_argument("--served", action="store_true", help="the teacher behind llmrl serve-inference")
+    parser.add_argument("--no-grpo", action="store_true", help="no GRPO runs")
     args = parser.parse_args()
     signals = args.signals
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
         teacher = teacher_folder(args.teacher, scratch)
         print(f"teacher {teacher}; {args.steps} steps per run; held-out pass@1 (64 problems x 8 samples)\n")
-        names = [*signals, "GRPO"]
+        names = [*signals, *([] if args.no_grpo else ["GRPO"])]
         print(
             "| seed | teacher | "
             + " | ".join(names)
@@ -123,9 +166,13 @@ def main() -> None:
         )
         print("|---" * (2 + 2 * len(names) + len(signals)) + "|")
         results = []
-        for seed in args.seeds:
-            results.append(compare(seed, args.steps, teacher, scratch, signals))
-            print(row(seed, results[-1], signals), flush=True)
+        with contextlib.ExitStack() as stack:
+            served = (
+                stack.enter_context(teacher_server(teacher, scratch / "teacher.log")) if args.served else None
+            )
+            for seed in args.seeds:
+                results.append(compare(seed, args.steps, teacher, scratch, signals, served, not args.no_grpo))
+                print(row(seed, results[-1], signals), flush=True)
         print(row("mean", {key: statistics.mean(f[key] for f in results) for key in results[0]}, signals))
 
 

@@ -513,7 +513,17 @@ class GenerationFields(BaseModel):
 
 
 class CompletionBody(GenerationFields):
-    prompt: str
+    prompt: str | list[StrictInt] = Field(
+        description="A text, or token ids (OpenAI's and vLLM's form) completed as they are."
+    )
+    prompt_logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        description=(
+            "vLLM's extension: each choice also carries, for each prompt token after the first, its logprob "
+            "and rank and the `prompt_logprobs` likeliest tokens there (a distillation teacher's scores)."
+        ),
+    )
 
 
 class MessagePart(BaseModel):

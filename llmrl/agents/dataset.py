@@ -34,9 +34,10 @@ subclass this agent to keep the loading and replace the reward.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,8 +47,9 @@ from pydantic import ValidationError
 from llmrl.agents.base import Problem, make_prompt
 from llmrl.agents.reward_only import RewardOnlyAgent
 from llmrl.config import describe_python_object
+from llmrl.models.reward_model import reward_model_function
 from llmrl.rewards.answers import extract_answer, normalize_answer
-from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine
+from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine, combine_group
 from llmrl.rewards.scorers import default_compute_score
 from llmrl.types import ChatMessage, InferenceResponse, validation_problems
 
@@ -265,7 +267,8 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
             prompt_template: ``str.format`` template over the row's columns; ``{prompt}`` is the prompt
                 column (flat layout only).
             chat: send chat messages (for chat-tuned models) rather than plain text (flat layout).
-            reward_functions: ``{function, weight, style, name}`` entries (`llmrl.rewards.functions`);
+            reward_functions: ``{function, weight, style, name, batch}`` entries (`llmrl.rewards.functions`)
+                or reward models' ``{model, weight, name, batch, device, dtype}`` (`llmrl.models.reward_model`);
                 default: exact match, or `default_compute_score` in the verl layout.
             **kwargs: `RewardOnlyAgent` options (eval_size, max_turns, timeouts, generation_args, ...).
         """
@@ -273,7 +276,7 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         if format not in LAYOUTS:
             raise ValueError(f"format: expected one of {list(LAYOUTS)}, got {format!r}")
         functions = [
-            RewardFunction.from_config(entry, f"reward_functions[{i}]")
+            _reward_function(entry, f"reward_functions[{i}]")
             for i, entry in enumerate(reward_functions or [])
         ]
         if functions and type(self).reward is not DatasetAgent.reward:
@@ -300,10 +303,10 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         self._sources = (rows.source, rows.eval_source)
         self.layout: Layout = self._detect_layout(self._rows, self._source) if format == "auto" else format
         if not functions and self.layout == "verl":
-            functions = [RewardFunction(default_compute_score, name="score", style="verl")]
+            functions = [
+                RewardFunction(default_compute_score, name="score", style="verl", batch="completion")
+            ]
         self.reward_functions = functions
-        # Functions written for TRL may use math-verify's signal-based timeouts, which need the main thread.
-        self.main_thread_rewards = bool(functions)
         self.answer_column = answer_column or _DEFAULT_ANSWER_COLUMN[self.layout]
         if answer_column is None and functions and not _has_column(self._rows[0], self.answer_column):
             self.answer_column = None  # reward functions that need no answer, on data without the default one
@@ -393,8 +396,20 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
 
     # ---- reward ----------------------------------------------------------------------------------
 
+    async def score_episodes(
+        self, responses: list[InferenceResponse], problem: Problem
+    ) -> list[float | Reward | BaseException]:
+        """With reward functions: each scores the whole group at once (`combine_group`), its calls run as
+        `reward` calls are (worker threads or awaited, `reward_concurrency` at a time)."""
+        if not self.reward_functions:
+            return await super().score_episodes(responses, problem)
+        samples = [self.sample(response, problem) for response in responses]
+        return await combine_group(
+            self.reward_functions, samples, functools.partial(self._call_env, span="reward")
+        )
+
     def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
-        if self.reward_functions:
+        if self.reward_functions:  # one completion, from synchronous code (a group: `score_episodes`)
             return combine(self.reward_functions, self.sample(response, problem))
         marked = extract_answer(response.text)
         answer = marked[0] if marked else response.text
@@ -415,6 +430,14 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
             extra_info=row.get("extra_info"),
             columns={name: value for name, value in row.items() if name != self.prompt_column},
         )
+
+
+def _reward_function(entry: Any, where: str) -> RewardFunction:
+    """A reward function entry: a function's (`RewardFunction.from_config`), or a reward model's
+    (``model:``, `llmrl.models.reward_model`)."""
+    if isinstance(entry, Mapping) and "model" in entry:
+        return reward_model_function(entry, where)
+    return RewardFunction.from_config(entry, where)
 
 
 def _has_column(row: dict[str, Any], column: str) -> bool:

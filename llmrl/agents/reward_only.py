@@ -30,11 +30,11 @@ message or None to stop. Everything else is done here:
   inference; problems whose first prompt cannot fit are left out before training
   (`drop_overlong_prompts`).
 
-Rewards and observations run in their own threads (`reward_concurrency` at a time) under
-`reward_timeout_s`; a function that never returns leaks its thread but not the run. Coroutine
-functions are awaited directly. An agent with `main_thread_rewards` set scores on the event loop's
-thread instead when that is the main thread: code with signal-based timeouts (math-verify's, in
-reward functions written for TRL) only works there; such calls have no `reward_timeout_s`.
+Rewards and observations run in worker threads (`reward_concurrency` at a time) under
+`reward_timeout_s`, so that they never block generation on the event loop; a function that never
+returns leaks its thread but not the run. Coroutine functions are awaited directly. A problem's
+episodes are scored together once all of them are done (`score_episodes`): one call per episode by
+default, one per group for reward functions written for TRL (`DatasetAgent`).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ import functools
 import inspect
 import logging
 import random
-import threading
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -302,11 +302,17 @@ class ProblemSetAgent(Agent):
         log_placeholders(self.env_id, reason, count)
 
 
+@dataclass(frozen=True)
+class _Episode:
+    """An episode whose turns are done, waiting for its group's rewards."""
+
+    trajectory: Trajectory
+    response: InferenceResponse
+    """Its last model turn, the one scored."""
+
+
 class RewardOnlyAgent(ProblemSetAgent):
     """Base of environments defined by a problem list and a reward (optionally multi-turn)."""
-
-    main_thread_rewards: bool = False
-    """Call `reward` on the event loop's thread when it is the main thread (see the module docstring)."""
 
     def __init__(
         self,
@@ -319,8 +325,9 @@ class RewardOnlyAgent(ProblemSetAgent):
         """
         Args:
             max_turns: most model turns per episode (1 = single-turn).
-            reward_timeout_s: limit of one `reward` or `observe` call.
-            reward_concurrency: rewards/observations computed at once.
+            reward_timeout_s: limit of one `reward` or `observe` call (of a reward function: one call,
+                for a group or a completion).
+            reward_concurrency: calls of `reward`, `observe` or reward functions running at once.
             **kwargs: `ProblemSetAgent` options (env_id, seed, eval_size, inference_timeout_s,
                 generation_args).
         """
@@ -396,7 +403,8 @@ class RewardOnlyAgent(ProblemSetAgent):
     async def run_episodes(
         self, inference: InferenceInterface, problem: Problem, n: int, args: GenerationArgs
     ) -> list[TokenRollout]:
-        """One request for `n` completions of `problem`, each continued (multi-turn) and scored."""
+        """One request for `n` completions of `problem`, each continued (multi-turn); the episodes are
+        scored together once all are done (`score_episodes`)."""
         try:
             responses = await self._generate(
                 inference, InferenceRequest(prompt=problem.prompt, generation_args=args, n=n)
@@ -404,13 +412,29 @@ class RewardOnlyAgent(ProblemSetAgent):
         except Exception as exc:
             reason = self._record_failure("inference", exc, count=n, problem=problem)
             return [placeholder_rollout(self.env_id, problem.id, reason) for _ in range(n)]
-        return list(
-            await asyncio.gather(
-                *(
-                    self._finish_episode(inference, problem, r, request_args(args, "sample", i))
-                    for i, r in enumerate(responses)
-                )
+        played = await asyncio.gather(
+            *(
+                self._play_episode(inference, problem, r, request_args(args, "sample", i))
+                for i, r in enumerate(responses)
             )
+        )
+        finished = [episode for episode in played if isinstance(episode, _Episode)]
+        rewards = iter(await self.score_episodes([e.response for e in finished], problem) if finished else [])
+        return [
+            self._scored(episode, next(rewards), problem) if isinstance(episode, _Episode) else episode
+            for episode in played
+        ]
+
+    async def score_episodes(
+        self, responses: list[InferenceResponse], problem: Problem
+    ) -> list[float | Reward | BaseException]:
+        """The rewards of one problem's finished episodes, each from its last model turn, in order; an
+        exception in place of a reward fails that rollout only. This default calls `reward` on each
+        (`reward_concurrency` at a time, each under `reward_timeout_s`); an agent that scores a group in
+        one call overrides it (`DatasetAgent` with reward functions)."""
+        return await asyncio.gather(
+            *(self._call_env(self.reward, response, problem) for response in responses),
+            return_exceptions=True,
         )
 
     async def _generate(
@@ -422,14 +446,14 @@ class RewardOnlyAgent(ProblemSetAgent):
             raise RuntimeError(f"asked for {request.n} completions, got {len(responses)}")
         return responses
 
-    async def _finish_episode(
+    async def _play_episode(
         self,
         inference: InferenceInterface,
         problem: Problem,
         response: InferenceResponse,
         args: GenerationArgs,
-    ) -> TokenRollout:
-        """Continue the episode from its first model turn (multi-turn), then score it."""
+    ) -> _Episode | TokenRollout:
+        """Continue the episode from its first model turn (multi-turn); a placeholder if that fails."""
         trajectory = Trajectory(args)
         trajectory.add_context(response.prompt_token_ids, prompt_text(problem.prompt))
         trajectory.add_completion(response)
@@ -464,17 +488,27 @@ class RewardOnlyAgent(ProblemSetAgent):
                 trajectory.add_context(response.prompt_token_ids[len(prefix) :], message)
                 trajectory.add_completion(response)
                 stage = "observe"
-            stage = "reward"
-            reward = await self._call_env(self.reward, response, problem)
+        except Exception as exc:
+            reason = self._record_failure(stage, exc, count=1, problem=problem)
+            return placeholder_rollout(self.env_id, problem.id, reason)
+        return _Episode(trajectory, response)
+
+    def _scored(
+        self, episode: _Episode, reward: float | Reward | BaseException, problem: Problem
+    ) -> TokenRollout:
+        """The episode's rollout with its reward, or a placeholder if scoring failed."""
+        try:
+            if isinstance(reward, BaseException):
+                raise reward
             value = finite_number(reward.value if isinstance(reward, Reward) else reward)
             if value is None:
                 raise UserCodeFailure.returned(
                     code_location(None, self.reward), reward, "a finite number or a Reward"
                 )
             components = reward.components if isinstance(reward, Reward) else {}
-            return trajectory.rollout(self.env_id, problem.id, value, components)
+            return episode.trajectory.rollout(self.env_id, problem.id, value, components)
         except Exception as exc:
-            reason = self._record_failure(stage, exc, count=1, problem=problem)
+            reason = self._record_failure("reward", exc, count=1, problem=problem)
             return placeholder_rollout(self.env_id, problem.id, reason)
 
     def _reward_slots(self) -> asyncio.Semaphore:
@@ -484,15 +518,11 @@ class RewardOnlyAgent(ProblemSetAgent):
             self._slots, self._slots_loop = asyncio.Semaphore(self.reward_concurrency), loop
         return self._slots
 
-    async def _call_env(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _call_env(self, fn: Callable[..., Any], *args: Any, span: str | None = None) -> Any:
+        """`fn(*args)`: awaited, or in a worker thread, under the concurrency limit and the timeout, as a
+        trace span named `span` (default: the function's name; its time is logged as ``time/<span>_s``)."""
         async with self._reward_slots():
-            with trace_span(fn.__name__, env=self.env_id):
-                if (
-                    self.main_thread_rewards
-                    and fn == self.reward
-                    and threading.current_thread() is threading.main_thread()
-                ):
-                    return fn(*args)
+            with trace_span(span or fn.__name__, env=self.env_id):
                 call = fn(*args) if inspect.iscoroutinefunction(fn) else in_worker_thread(fn, *args)
                 return await asyncio.wait_for(call, self.reward_timeout_s)
 

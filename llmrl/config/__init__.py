@@ -40,6 +40,7 @@ from llmrl.config.algorithm import (
     KLEstimator,
     RatioLevel,
     StdScope,
+    TeacherServerConfig,
 )
 from llmrl.config.environments import EnvironmentConfig, EvaluationConfig
 from llmrl.config.errors import ConfigError
@@ -98,6 +99,7 @@ __all__ = [
     "RunConfig",
     "Section",
     "StdScope",
+    "TeacherServerConfig",
     "TrainingConfig",
     "VLLMConfig",
     "apply_overrides",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from llmrl.config.sections import Section
 
@@ -76,15 +76,39 @@ class AlgorithmConfig(Section):
     """Bound on redraws of zero-signal groups per step."""
 
 
+class TeacherServerConfig(Section):
+    """A distillation teacher behind an inference server (docs/algorithms.md, "A served teacher"): llmrl's
+    (`llmrl serve-inference --model TEACHER`) or vLLM's (`vllm serve TEACHER --max-logprobs K`), asked for
+    its `prompt_logprobs` of each sampled sequence."""
+
+    url: str
+    """The server's API root, e.g. http://127.0.0.1:8100/v1 (`/v1` may be left out)."""
+    model: str | None = None
+    """The model name sent with each request; None: the first the server lists (`/v1/models`)."""
+    api_key_env: str | None = None
+    """Name of the environment variable that holds the server's bearer token, if it needs one."""
+    max_concurrent: int = Field(16, ge=1)
+    """Most requests in flight (one per sequence scored)."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """Longest one request may take; a request that fails (no answer, a timeout, 5xx) is retried."""
+    max_retries: int = Field(3, ge=0)
+    """Further attempts at a failed request, 0.5 s, 1 s, 2 s, ... apart; after the last, the run stops
+    (exit status 75: rerunning resumes)."""
+
+
 class DistillationConfig(Section):
     """On-policy distillation (docs/algorithms.md): a teacher scores every position the policy samples,
     and the policy is trained to lower its per-token reverse KL to the teacher there. The teacher must
-    share the policy's tokenizer."""
+    share the policy's tokenizer. Name one teacher: `teacher` (loaded in the trainer's process) or
+    `teacher_server` (served)."""
 
-    teacher: str
-    """The teacher: anything `model.spec` takes (`tiny://NAME`, a local folder, a hub id), or a run or
-    checkpoint folder of an earlier llmrl run (its latest checkpoint's model; a LoRA run's adapter merged
-    onto its base)."""
+    teacher: str | None = None
+    """The teacher, loaded in the trainer's process: anything `model.spec` takes (`tiny://NAME`, a local
+    folder, a hub id), or a run or checkpoint folder of an earlier llmrl run (its latest checkpoint's model;
+    a LoRA run's adapter merged onto its base)."""
+    teacher_server: TeacherServerConfig | None = None
+    """The teacher behind an inference server instead (`TeacherServerConfig`): it takes no memory of the
+    trainer's."""
     signal: Literal["top_k", "sampled"] = "top_k"
     """`top_k`: at each completion position, the exact reverse KL from the policy's next-token
     distribution to the teacher's over the teacher's `top_k` likeliest tokens and the rest of the
@@ -97,8 +121,19 @@ class DistillationConfig(Section):
     coef: float = Field(1.0, gt=0.0)
     """Weight of the distillation term (the KL loss term, or the per-token advantage)."""
     teacher_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Dtype the teacher is loaded and run in; None: `model.dtype`."""
+    """Dtype the teacher is loaded and run in; None: `model.dtype` (a served teacher runs in its server's)."""
     rewards: Literal["add", "ignore"] = "add"
     """`add`: the environments' group advantages train the policy too, beside the distillation term (an
     environment without rewards gives equal rewards, hence zero group advantages, and distillation
     alone); `ignore`: the teacher alone trains the policy."""
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> DistillationConfig:
+        if (self.teacher is None) == (self.teacher_server is None):
+            raise ValueError(
+                "name one teacher: `teacher` (a model loaded in the trainer's process) or `teacher_server` "
+                "(one behind an inference server)"
+            )
+        if self.teacher_server is not None and self.teacher_dtype is not None:
+            raise ValueError("teacher_dtype: a served teacher runs in its server's dtype; leave it unset")
+        return self

@@ -52,6 +52,10 @@ class Decoder(Protocol):
         """Feed one token per row (B,); return next-token logits (B, V)."""
         ...
 
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """Next-token logits at every position of `prompt` (P, V), the rows and their cache untouched."""
+        ...
+
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop `rows`; return the old index of each remaining row, in the new row order."""
         ...
@@ -146,6 +150,9 @@ class HFDecoder:
             self.groups.append(_Group(cache, count))
             logits.append(out.logits[0, -1])
         return torch.stack(logits)
+
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([prompt], device=self.device)).logits[0]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         logits, start = [], 0

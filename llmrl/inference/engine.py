@@ -17,6 +17,8 @@ docs/engine.md explains the design and its measurements; in short:
   ``llmrl.weights.in_process``).
 * **Logprobs**: one per completion token, in float32, of the distribution the token was drawn from
   (after temperature, filters and penalties; greedy requests report the temperature-1 logprob).
+* **Prompt logprobs** (`prompt_logprobs`, a served distillation teacher's scores): one forward pass of a
+  prompt from the caller's thread, beside the batch's steps, never during a step or a weight load.
 * **Weight updates** happen between decode steps. ``weight_update="wait"``: admission pauses,
   in-flight sequences finish on the old weights (and version), then the new weights load;
   ``"abort"``: in-flight sequences end at once with ``finish_reason="abort"``; ``"in_flight"``: the
@@ -65,6 +67,24 @@ from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_re
 from llmrl.models.loading import check_supported
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightTransport, WeightUpdate, in_process_transports, transport_for
+
+PROMPT_LOGPROB_CHUNK = 2**24
+"""Most logprobs `LocalEngine.prompt_logprobs` holds at once (128 MiB in float64)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt scored token by token (vLLM's ``prompt_logprobs``): at each position after the first, in
+    float64 from the model's logits, of the distribution at the temperature asked for."""
+
+    token_logprobs: torch.Tensor
+    """(P - 1,) the logprob of each prompt token after the first."""
+    ranks: torch.Tensor
+    """(P - 1,) its rank there (1: the likeliest; tokens of equal logprob share a rank)."""
+    top_ids: torch.Tensor
+    """(P - 1, k) the k likeliest tokens there, likeliest first."""
+    top_logprobs: torch.Tensor
+    """(P - 1, k) their logprobs."""
 
 
 @dataclass
@@ -151,6 +171,9 @@ class LocalEngine(InferenceInterface):
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # for incremental stop-string decoding
         self._seeds = random.Random(seed)
         self._seeding = threading.Lock()  # random.Random is not safe to share between threads
+        # Held by each step, weight load and prompt scoring: scoring runs from its caller's thread beside
+        # the steps (it needs no rows), never during one or while new weights are half copied in.
+        self._model_lock = threading.Lock()
         self._version = policy_version
         self._stepped_version = policy_version  # the running rows' version at the last step
         self._requests = RequestDriver(
@@ -246,6 +269,29 @@ class LocalEngine(InferenceInterface):
     def generate(self, request: InferenceRequest | dict[str, Any]) -> list[InferenceResponse]:
         """Blocking form of `agenerate` (not from inside a running event loop)."""
         return run_sync(self.agenerate(request))
+
+    def prompt_logprobs(self, prompt_ids: list[int], k: int, temperature: float = 1.0) -> PromptLogprobs:
+        """`prompt_ids` scored by the served weights (a distillation teacher's view of a sampled sequence):
+        each token's logprob after the first, its rank and the `k` likeliest tokens (at most the
+        vocabulary) at each position, of the distribution at `temperature` (> 0). Blocks its thread for one
+        forward pass of the prompt; the ids must have been checked as a request's prompt."""
+        if not temperature > 0:
+            raise ValueError(f"temperature: prompt logprobs need a temperature > 0, got {temperature}")
+        with self._model_lock, torch.inference_mode():
+            logits = self._decoder.prompt_logits(prompt_ids)[:-1]  # (P - 1, V)
+        targets = torch.tensor(prompt_ids[1:], device=logits.device)
+        k = min(k, logits.shape[-1])
+        pieces = []
+        # In float64, a chunk of positions at a time: a client takes the rest of the vocabulary's mass as
+        # 1 - the top k's, which float32 logprobs would leave with an error of ~1e-7 / its size.
+        rows = max(1, PROMPT_LOGPROB_CHUNK // logits.shape[-1])
+        for start in range(0, max(logits.shape[0], 1), rows):  # one empty chunk for a one-token prompt
+            log_probs = torch.log_softmax(logits[start : start + rows].double() / temperature, dim=-1)
+            token = log_probs.gather(-1, targets[start : start + rows, None])[:, 0]
+            top = log_probs.topk(k, dim=-1)
+            pieces.append((token, (log_probs > token[:, None]).sum(-1) + 1, top.indices, top.values))
+        token_logprobs, ranks, top_ids, top_logprobs = (torch.cat(p).cpu() for p in zip(*pieces, strict=True))
+        return PromptLogprobs(token_logprobs, ranks, top_ids, top_logprobs)
 
     def weight_transport(self, kind: PayloadKind) -> WeightTransport[Any]:
         """Whole weights or LoRA adapters into this engine's model (`llmrl.weights.in_process`).
@@ -377,7 +423,7 @@ class LocalEngine(InferenceInterface):
         return prompts + sum(len(seq.tokens) for seq in self._running)
 
     def _load(self, update: WeightUpdate) -> None:
-        with torch.inference_mode(False):
+        with self._model_lock, torch.inference_mode(False):
             load = self._decoder.merge_deltas if update.merge else self._decoder.load_state_dict
             for bucket in update.buckets:
                 load(bucket)
@@ -385,7 +431,7 @@ class LocalEngine(InferenceInterface):
 
     def _step(self, admitted: list[PendingRequest]) -> None:
         """One engine iteration: decode the running rows, prefill the admitted requests, sample all."""
-        with torch.inference_mode():
+        with self._model_lock, torch.inference_mode():
             self._sample_next(admitted)
 
     def _sample_next(self, admitted: list[PendingRequest]) -> None:

@@ -160,10 +160,19 @@ class LlamaFamilyDecoder:
     def remove_rows(self, rows: list[int]) -> list[int]:
         return self.cache.remove_rows(rows)
 
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """Next-token logits at every position of `prompt` (P, V), the cache untouched."""
+        self._grow_rotation(len(prompt))
+        ids = torch.tensor([prompt], device=self.device)
+        x = self.forward.residual(self.weights, ids, self._rotation[: len(prompt), None], None, _keep_nothing)
+        return self.forward.logits(x, self.weights)
+
     def _reserve(self, which: str, entries: int, length: int, reach: int | None = None) -> None:
         """`KVCache.reserve`, and the rotary table grown to every position the rows may then reach."""
         self.cache.reserve(which, entries, length, reach)
-        positions = max(self.cache.shared_lengths, default=0) + length
+        self._grow_rotation(max(self.cache.shared_lengths, default=0) + length)
+
+    def _grow_rotation(self, positions: int) -> None:
         if positions > self._rotation.shape[0]:
             table = min(
                 max(positions, 2 * self._rotation.shape[0], KVCache.CAPACITY_STEP), self.max_positions
@@ -271,6 +280,10 @@ class LlamaFamilyDecoder:
         )
         cache.advance()
         return logits
+
+
+def _keep_nothing(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A prefill's `write` when the keys and values are not cached (scoring a prompt)."""
 
 
 def release_fused_originals(model: torch.nn.Module, fused: dict[str, FusedRows]) -> None:

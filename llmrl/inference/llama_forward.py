@@ -267,6 +267,20 @@ class LlamaForward:
         fastest kernel); `rotation` holds the positions' rotary rows, broadcastable over heads.
         """
         num_prompts, width = ids.shape
+        x = self.residual(weights, ids, rotation, mask, write)
+        return self.logits(x[:, torch.arange(num_prompts, device=ids.device) * width + lengths - 1], weights)
+
+    def residual(
+        self,
+        weights: LlamaWeights,
+        ids: torch.Tensor,
+        rotation: torch.Tensor,
+        mask: torch.Tensor | None,
+        write: Callable[[int, torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """The residual stream after the last layer, (hidden, N P) by columns, of prompts `ids` (N, P);
+        the other arguments as for `prefill`."""
+        num_prompts, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids.flatten(), weights.embed).t()  # (hidden, N P): the residual stream by columns
         for index, layer in enumerate(weights.layers):
@@ -282,7 +296,7 @@ class LlamaForward:
             x = self.attention_mlp_residual(
                 x, attn.transpose(1, 2).reshape(num_prompts * width, heads * dim), layer
             )
-        return self.logits(x[:, torch.arange(num_prompts, device=ids.device) * width + lengths - 1], weights)
+        return x
 
     def step(
         self,

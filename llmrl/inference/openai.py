@@ -137,7 +137,7 @@ class OpenAIInterface(InferenceInterface):
                 f"need max_concurrent >= 1, max_retries >= 0, backoff_s >= 0 and max_n >= 1, got "
                 f"{max_concurrent}, {max_retries}, {backoff_s} and {max_n}"
             )
-        self.base_url = _normalise_base_url(base_url)
+        self.base_url = normalise_base_url(base_url)
         self.model = model
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
@@ -173,7 +173,7 @@ class OpenAIInterface(InferenceInterface):
             )
         return cls(
             config.base_url,
-            api_key=api_key_from_env(config),
+            api_key=api_key_from_env(config.api_key_env),
             timeout_s=config.request_timeout_s,
             max_concurrent=config.resolved_max_concurrent,
             weights_dir=config.weights_dir,
@@ -335,17 +335,19 @@ def _split(request: InferenceRequest, max_n: int) -> list[InferenceRequest]:
     return parts
 
 
-def api_key_from_env(config: InferenceConfig) -> str | None:
-    """The bearer token held by the variable `config.api_key_env` names (None when it names none)."""
-    if not config.api_key_env:
+def api_key_from_env(variable: str | None, field: str = "inference.api_key_env") -> str | None:
+    """The bearer token held by the environment `variable` (None when none is named); `field`: the config
+    field that names it."""
+    if not variable:
         return None
-    api_key = os.environ.get(config.api_key_env)
+    api_key = os.environ.get(variable)
     if not api_key:
-        raise ConfigError(f"inference.api_key_env: the environment variable {config.api_key_env} is not set")
+        raise ConfigError(f"{field}: the environment variable {variable} is not set")
     return api_key
 
 
-def _normalise_base_url(base_url: str) -> str:
+def normalise_base_url(base_url: str) -> str:
+    """`base_url` as an API root ending in ``/v1``."""
     url = base_url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"base_url must start with http:// or https://, got {base_url!r}")

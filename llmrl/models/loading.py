@@ -223,8 +223,10 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    model_class: type = AutoModelForCausalLM,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer; the tokenizer always has a pad token.
+    """Load a causal LM (or another `model_class`: a reward model's sequence classifier) and its
+    tokenizer; the tokenizer always has a pad token.
 
     A model with a feature llmrl does not support raises `ModelSpecError` naming it (`check_supported`).
 
@@ -250,7 +252,7 @@ def load_model(
     check_supported(config, attn_implementation)
     if torch.device(device).type == "meta":
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            model = model_class.from_config(
                 config,
                 dtype=dtype,
                 attn_implementation=attn_implementation,
@@ -258,7 +260,7 @@ def load_model(
             )
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = model_class.from_pretrained(
                 source,
                 config=config,
                 dtype=dtype,
@@ -268,7 +270,7 @@ def load_model(
             )
         except OSError as exc:  # the weights: not in the cache, or gone from the folder
             raise _load_error(spec, source, "weights", exc) from exc
-    if model.generation_config.pad_token_id is None:
+    if model.can_generate() and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
     model.eval()

@@ -8,7 +8,9 @@ needs more than text, so every response also carries the llmrl extensions: the w
 `llmrl.types`), and ``version_changes`` where in-flight weight updates took over mid-completion. Requests may add vLLM's sampling extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and (chat)
 ``chat_template_kwargs``, and ``prompt_token_ids`` (continue after these exact ids: multi-turn
-rollouts never re-tokenise earlier turns).
+rollouts never re-tokenise earlier turns). A completions prompt may be token ids, and vLLM's
+``prompt_logprobs: k`` scores the prompt token by token (a served distillation teacher), at the request's
+temperature, stated in ``prompt_logprobs_temperature``.
 
 Concurrent requests share the engine's continuous batch: the engine steps it as a task on the
 server's event loop. ``POST /v1/weights`` loads new weights, versioned, between two decode steps
@@ -96,7 +98,40 @@ class _InferenceServer:
             raise RequestRefused(400, validation_problems(exc.errors())) from None
         except ValueError as exc:  # the engine's verdict on this request (prompt too long, ...)
             raise RequestRefused(400, str(exc)) from None
-        return JSONResponse(self._openai_response(body, responses, chat))
+        answer = self._openai_response(body, responses, chat)
+        if isinstance(body, CompletionBody) and body.prompt_logprobs is not None:
+            await self._add_prompt_logprobs(answer, responses[0].prompt_token_ids, body)
+        return JSONResponse(answer)
+
+    async def _add_prompt_logprobs(self, answer: dict, prompt_ids: list[int], body: CompletionBody) -> None:
+        """vLLM's ``prompt_logprobs`` in each choice, here of the distribution at the request's temperature
+        (1 for greedy requests, as their completions' logprobs), which ``prompt_logprobs_temperature``
+        states: vLLM's are always at temperature 1."""
+        assert body.prompt_logprobs is not None
+        temperature = body.temperature or 1.0
+        scored = await asyncio.to_thread(
+            self.engine.prompt_logprobs, prompt_ids, body.prompt_logprobs, temperature
+        )
+        unique = sorted({*prompt_ids, *scored.top_ids.flatten().tolist()})
+        pieces = dict(zip(unique, self.engine.tokenizer.batch_decode([[t] for t in unique]), strict=True))
+        entries: list[dict[str, dict[str, Any]] | None] = [None]  # the first token has no context
+        for token, logprob, rank, top_ids, top_logprobs in zip(
+            prompt_ids[1:],
+            scored.token_logprobs.tolist(),
+            scored.ranks.tolist(),
+            scored.top_ids.tolist(),
+            scored.top_logprobs.tolist(),
+            strict=True,
+        ):
+            entry = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": pieces[token]}}
+            for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), 1):
+                entry.setdefault(
+                    str(top_id), {"logprob": top_logprob, "rank": top_rank, "decoded_token": pieces[top_id]}
+                )
+            entries.append(entry)
+        for choice in answer["choices"]:
+            choice["prompt_logprobs"] = entries
+        answer["prompt_logprobs_temperature"] = temperature
 
     def _inference_request(self, body: GenerationFields, prompt: str | list[ChatMessage]) -> InferenceRequest:
         _refuse_unsupported(body)
@@ -357,6 +392,11 @@ def create_inference_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> JSONResponse:
+        if isinstance(body.prompt, list):  # token ids: completed as they are
+            if body.prompt_token_ids is not None:
+                raise RequestRefused(400, "prompt: token ids leave no room for prompt_token_ids")
+            body = body.model_copy(update={"prompt": "", "prompt_token_ids": body.prompt})
+        assert isinstance(body.prompt, str)
         return await server.generate(body, body.prompt, chat=False)
 
     @app.post("/v1/chat/completions")

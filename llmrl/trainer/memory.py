@@ -5,7 +5,8 @@ moments (all sharded over the ranks under torchrun), the compute-dtype copies th
 (autocast's casts in one process; FSDP2's gathered blocks over several), the KL reference model,
 the distillation teacher (in its own dtype, sharded like the reference), or with LoRA the frozen base in the compute dtype, float32 adapters and the gradients and moments
 of the adapters alone (no reference copy: the reference is the base with the adapters off),
-the activations of the largest micro-batch, and on rank 0 the embedded engine's weights and KV
+the activations of the largest micro-batch, and on rank 0 (which scores) the reward models the
+environments name on this device, and the embedded engine's weights and KV
 cache or a colocated vLLM engine (its `gpu_memory_utilization` share of the GPU; on the CPU build its
 weights and KV cache), which must fit both beside the update and, without the update's activations
 and gradients, while it generates (asleep during the update, it counts only then), and, on CPU
@@ -70,6 +71,8 @@ class MemorySettings:
     """vLLM's engine in every process (`inference.vllm.mode: colocate`); None: no such engine."""
     teacher_bytes: int = 0
     """The distillation teacher's weights, whole (`distillation.teacher`, in `teacher_dtype`); 0: none."""
+    reward_model_bytes: int = 0
+    """Weights of the reward models the environments name on this device (rank 0's: it scores); 0: none."""
 
 
 MOST_SIZED_ROWS = 1024
@@ -144,6 +147,8 @@ class MemoryPlan:
             terms["reference"] = shape.parameters / s.world_size * compute
         if s.teacher_bytes:
             terms["teacher"] = s.teacher_bytes / s.world_size
+        if rank0 and s.reward_model_bytes:
+            terms["reward models"] = s.reward_model_bytes
         terms["activations"] = self._activations()
         if rank0 and s.engine_tokens is not None:
             terms["engine"] = shape.parameters * compute + s.engine_tokens * self.kv_bytes_per_token

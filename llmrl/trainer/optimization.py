@@ -44,6 +44,7 @@ from torch.optim import lr_scheduler
 from llmrl.algorithms.losses import LossOptions, TokenLoss
 from llmrl.algorithms.packing import PackedBatch
 from llmrl.config import AlgorithmConfig, ConfigError, DistillationConfig, TrainingConfig
+from llmrl.inference.served_teacher import ServedTeacher
 from llmrl.rollouts import RolloutBatch
 from llmrl.telemetry import trace_span
 from llmrl.trainer.distributed import Distributed
@@ -124,12 +125,13 @@ class PolicyUpdate:
         distributed: Distributed | None = None,
         compute_dtype: torch.dtype | None = None,
         teacher: torch.nn.Module | None = None,
+        teacher_server: ServedTeacher | None = None,
         distillation: DistillationConfig | None = None,
     ):
         """`compute_dtype`: see `ForwardPasses`. The models beside the policy choose the loss terms
         (`build_terms`): a KL `reference` model or a `reference_context` (inside it the policy computes
-        the reference logprobs: LoRA's adapters off), and a distillation `teacher` with its settings
-        `distillation`."""
+        the reference logprobs: LoRA's adapters off), and a distillation `teacher` model or `teacher_server`
+        with its settings `distillation`."""
         self.policy = policy
         self.optimizer = optimizer
         self.training = training
@@ -146,6 +148,7 @@ class PolicyUpdate:
             reference=reference,
             reference_context=reference_context,
             teacher=teacher,
+            teacher_server=teacher_server,
             distillation=distillation,
         )
         self.skip_zero_advantage = not self.terms.trains_zero_advantage

@@ -181,7 +181,7 @@ class ForwardPasses:
                 outputs = [unpack(output, packed) for output in score(model, packed)]
             for i in outputs[0]:
                 values[i] = tuple(output[i].cpu() for output in outputs)
-        return self.over_ranks(values, _merged)  # every rank trains on other shares in later passes
+        return self.over_ranks(values, merged_shares)  # every rank trains on other shares in later passes
 
     def compute(self) -> contextlib.AbstractContextManager:
         """Where forward passes run in the compute dtype over master weights of another (one process)."""
@@ -222,7 +222,7 @@ class ForwardPasses:
         return build_batch(sequences, rows, masks, self.pad_token_id).to(self.device)
 
 
-def _merged(shares: list[list[Shared | None]]) -> list[Shared | None]:
+def merged_shares(shares: list[list[Shared | None]]) -> list[Shared | None]:
     """Each position's value from the share that has one (None where none has)."""
     values = list(shares[0])
     for shared in shares[1:]:

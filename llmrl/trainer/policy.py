@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,10 @@ import torch
 
 from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
+from llmrl.inference.served_teacher import ServedTeacher
 from llmrl.models import load_model
 from llmrl.models.loading import DTYPES, enable_activation_checkpointing
+from llmrl.models.reward_model import reward_models_bytes
 from llmrl.models.shape import ModelShape, tied_duplicates
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.distributed import Distributed
@@ -56,7 +58,9 @@ class PolicyModels:
     tied_names: set[str]
     """State-dict names aliasing another entry (tied embeddings): sent and saved once, under the first name."""
     teacher: torch.nn.Module | None = None
-    """The distillation teacher (`distillation.teacher`), frozen; None without distillation."""
+    """The distillation teacher (`distillation.teacher`), frozen; None without one in process."""
+    teacher_server: ServedTeacher | None = None
+    """The client of a served distillation teacher (`distillation.teacher_server`); None without one."""
 
     def untied_state_dict(self) -> dict[str, torch.Tensor]:
         """One process's policy weights, each tensor once."""
@@ -125,8 +129,18 @@ def load_policy(
         reference=reference,
         reference_context=adapters.disabled if adapters is not None and kl else None,
         tied_names=tied_duplicates(policy),
-        teacher=_load_teacher(load, config, tokenizer) if config.distillation is not None else None,
+        teacher=_load_teacher(load, config, tokenizer) if _loads_teacher(config) else None,
+        teacher_server=_teacher_server(config),
     )
+
+
+def _loads_teacher(config: RunConfig) -> bool:
+    return config.distillation is not None and config.distillation.teacher is not None
+
+
+def _teacher_server(config: RunConfig) -> ServedTeacher | None:
+    served = config.distillation.teacher_server if config.distillation is not None else None
+    return ServedTeacher.from_config(served) if served is not None else None
 
 
 def _load_teacher(load: _Loader, config: RunConfig, tokenizer: Any) -> torch.nn.Module:
@@ -222,8 +236,15 @@ def plan_training_memory(config: RunConfig, device: str, distributed: Distribute
 
     if config.model.lora is not None:
         settings = dataclasses.replace(settings, lora=LoraSizes(*adapter_sizes(shapes(), config.model.lora)))
-    if config.distillation is not None:
+    if _loads_teacher(config):  # a served teacher takes none of the trainer's memory
         settings = dataclasses.replace(settings, teacher_bytes=_teacher_bytes(config))
+    reward_models = [
+        entry
+        for environment in config.environments
+        for entry in environment.agent_args.get("reward_functions") or []
+        if isinstance(entry, Mapping) and "model" in entry
+    ]
+    settings = dataclasses.replace(settings, reward_model_bytes=reward_models_bytes(reward_models, device))
     plan = plan_memory(shapes(), settings, device)
     if device == "cuda" and config.inference.type == "local":
         training = config.training
@@ -253,7 +274,7 @@ def _teacher_bytes(config: RunConfig) -> int:
 
 def _teacher(config: RunConfig) -> EvaluatedModel:
     """What `distillation.teacher` names (`llmrl.trainer.evaluated_model`), or a `ConfigError` saying why not."""
-    assert config.distillation is not None
+    assert config.distillation is not None and config.distillation.teacher is not None
     try:
         return find_evaluated_model(config.distillation.teacher)
     except UserError as error:

@@ -255,6 +255,7 @@ class Trainer:
             distributed=self.distributed,
             compute_dtype=models.compute_dtype,
             teacher=models.teacher,
+            teacher_server=models.teacher_server,
             distillation=config.distillation,
         )
 

@@ -15,6 +15,7 @@ from scripted_inference import ScriptedInference
 
 from llmrl import registry
 from llmrl.agents.dataset import DatasetAgent, load_rows
+from llmrl.errors import shown_path
 from llmrl.rollouts import rollout_metrics
 from llmrl.types import ChatMessage, InferenceResponse
 
@@ -121,9 +122,10 @@ def test_a_verl_file_with_a_trl_function_reading_a_struct_column(fixture_plugins
     assert [r.reward for r in rollouts(agent)] == [1.0, 0.0] * 4
 
 
-def test_a_trl_function_using_math_verify_with_its_default_timeouts_works():
-    """TRL's own accuracy reward parses with math-verify's default (SIGALRM) timeouts, which work only
-    on the main thread: such functions run there when the agent is driven from it."""
+def test_math_verify_in_a_reward_function_needs_its_signal_timeouts_off():
+    """Reward functions run in worker threads (never blocking generation), where math-verify's default
+    SIGALRM timeouts cannot work: such a function fails at its line with math-verify's advice, and
+    scores with the timeouts off (as TRL's own accuracy reward turns them off in a thread)."""
     from math_verify import parse, verify
 
     def accuracy(completions, solution, **kwargs):
@@ -132,7 +134,24 @@ def test_a_trl_function_using_math_verify_with_its_default_timeouts_works():
             for c, s in zip(completions, solution, strict=True)
         ]
 
-    agent = DatasetAgent(**TRL, reward_functions=[{"function": accuracy}])
+    def accuracy_without_timeouts(completions, solution, **kwargs):
+        return [
+            float(
+                verify(
+                    parse(s, parsing_timeout=None),
+                    parse(c[0]["content"], parsing_timeout=None),
+                    timeout_seconds=None,
+                )
+            )
+            for c, s in zip(completions, solution, strict=True)
+        ]
+
+    failed = rollouts(DatasetAgent(**TRL, reward_functions=[{"function": accuracy}]))
+    (reason,) = {r.failure_reason for r in failed}
+    where = f"{shown_path(__file__)}:{accuracy.__code__.co_firstlineno + 2} in {accuracy.__qualname__}"
+    assert reason.startswith(f"reward: {where.replace('.<locals>', '')}: ValueError: Math-Verify")
+    assert "set the parsing_timeout=None" in reason
+    agent = DatasetAgent(**TRL, reward_functions=[{"function": accuracy_without_timeouts}])
     assert [r.reward for r in rollouts(agent)] == [1.0, 0.0] * 4
 
 

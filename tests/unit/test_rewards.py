@@ -106,7 +106,7 @@ def test_trl_conversational_completions_are_message_lists_and_unnamed_columns_ar
 
     function = RewardFunction.from_config({"function": first_word}, "r")
     chat = [{"role": "user", "content": "What is 20 + 37?"}]
-    assert function(sample("57 it is", prompt=chat, solution="57", other=1)) == (1.0, {})
+    assert function.score([sample("57 it is", prompt=chat, solution="57", other=1)]) == [(1.0, {})]
 
 
 def test_verl_style_functions_and_their_dict_results():
@@ -150,16 +150,17 @@ def test_bad_entries_are_errors_that_name_the_entry(entry, message):
 
 
 def test_bad_return_values_raise():
-    with pytest.raises(UserCodeFailure, match="one value per completion"):
-        RewardFunction.from_config(lambda completions, **kw: 1.0, "r")(sample())
+    def scored(function):
+        return combine([RewardFunction.from_config(function, "r")], sample())
+
+    with pytest.raises(UserCodeFailure, match=r"one value per completion \(1\)"):
+        scored(lambda completions, **kw: 1.0)
     with pytest.raises(UserCodeFailure, match="expected a finite number"):
-        RewardFunction.from_config(lambda completions, **kw: ["high"], "r")(sample())
+        scored(lambda completions, **kw: ["high"])
     with pytest.raises(UserCodeFailure, match="without 'score'"):
-        RewardFunction.from_config(lambda solution_str, **kw: {"acc": 1}, "r")(sample())
-    with pytest.raises(
-        UserCodeFailure, match="returned nan; expected a finite number"
-    ):  # None means not scored
-        RewardFunction.from_config(lambda completions, **kw: [math.nan], "r")(sample())
+        scored(lambda solution_str, **kw: {"acc": 1})
+    with pytest.raises(UserCodeFailure, match="returned nan; expected a finite number"):  # None: not scored
+        scored(lambda completions, **kw: [math.nan])
 
 
 def test_plugin_functions_resolve_only_from_plugin_modules(tmp_path, monkeypatch):
@@ -174,7 +175,10 @@ def test_plugin_functions_resolve_only_from_plugin_modules(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="not a plug-in of this config"):
         RewardFunction.from_config({"function": "my_scores:brevity"}, "r")
     registry.import_plugins(["my_scores"])
-    assert RewardFunction.from_config({"function": "my_scores:brevity"}, "r")(sample("ab")) == (0.5, {})
+    assert (
+        combine([RewardFunction.from_config({"function": "my_scores:brevity"}, "r")], sample("ab")).value
+        == 0.5
+    )
     with pytest.raises(ValueError, match="has no function 'missing'"):
         RewardFunction.from_config({"function": "my_scores:missing"}, "r")
     monkeypatch.delitem(sys.modules, "my_scores")
@@ -185,7 +189,10 @@ def test_plugins_may_be_python_files(tmp_path, monkeypatch):
     path.write_text("def constant(completions, **kwargs):\n    return [0.25]\n")
     monkeypatch.setattr(registry, "_plugin_modules", set())
     registry.import_plugins([str(path)])
-    assert RewardFunction.from_config({"function": "file_scores:constant"}, "r")(sample()) == (0.25, {})
+    assert (
+        combine([RewardFunction.from_config({"function": "file_scores:constant"}, "r")], sample()).value
+        == 0.25
+    )
     monkeypatch.delitem(sys.modules, "file_scores")
     with pytest.raises(registry.RegistryError, match="no such file"):
         registry.import_plugins([str(tmp_path / "absent.py")])
@@ -193,4 +200,5 @@ def test_plugins_may_be_python_files(tmp_path, monkeypatch):
 
 def test_builtin_scorers_need_no_plugin():
     function = RewardFunction.from_config({"function": "default_compute_score"}, "r")
-    assert function.style == "verl" and function(sample()) == (1.0, {})
+    assert function.style == "verl" and function.batch == "completion"
+    assert function.score([sample()]) == [(1.0, {})]

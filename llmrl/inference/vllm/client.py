@@ -211,7 +211,7 @@ class VLLMInterface(InferenceInterface):
             max_concurrent=config.resolved_max_concurrent,
             weight_sync_timeout_s=config.weight_sync_timeout_s,
             bucket_mb=config.weight_sync_bucket_mb,
-            api_key=api_key_from_env(config),
+            api_key=api_key_from_env(config.api_key_env),
             lora_rank=lora_rank,
             tokenizer=load_tokenizer(model.spec, trust_remote_code=model.trust_remote_code),
             pause_mode=vllm_pause_mode(config),

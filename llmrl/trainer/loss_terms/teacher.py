@@ -11,20 +11,21 @@ from llmrl.algorithms.distillation import reverse_kl_sums
 from llmrl.config import DistillationConfig
 from llmrl.rollouts import RolloutBatch
 from llmrl.trainer.loss_terms.base import LossTerm, Step
-from llmrl.trainer.passes import ForwardPasses, Model
+from llmrl.trainer.loss_terms.teacher_sources import Teacher
+from llmrl.trainer.passes import ForwardPasses
 
 
 class TeacherTerm(LossTerm):
     """A distillation signal. The teacher's side is compared with ``pi_old``, not the engine's sampling
     logprobs: computed by the same forward code as the teacher's, it makes a teacher equal to the policy
     give exactly 0, and the engine's difference from it is the trainer/inference mismatch that
-    `is_mode` corrects."""
+    `is_mode` corrects. The `teacher` is loaded or served (`teacher_sources`)."""
 
     # Distillation gives nearly every token a signal of its own, whatever its rollout's reward advantage.
     trains_zero_advantage = True
     needs_old_logprobs = True
 
-    def __init__(self, passes: ForwardPasses, teacher: Model, distillation: DistillationConfig):
+    def __init__(self, passes: ForwardPasses, teacher: Teacher, distillation: DistillationConfig):
         super().__init__(passes)
         self.teacher = teacher
         self.distillation = distillation

@@ -14,7 +14,7 @@ class TeacherSampled(TeacherTerm):
     whole step; the policy-gradient term trains on it, so this term adds no loss of its own."""
 
     def prepare(self, step: Step) -> dict[str, float]:
-        teacher = self.passes.sequence_logprobs(self.teacher, step.sequences, step.masks, step.trained)
+        teacher = [None if o is None else o[0] for o in self.teacher.outputs(step, None)]
         metrics = self._teacher_metrics(step, teacher)
         step.token_advantages = self._token_advantages(step, teacher)
         return metrics

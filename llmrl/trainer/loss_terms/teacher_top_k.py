@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from llmrl.algorithms.logprobs import token_logprobs_and_teacher_kl, token_top_k
+from llmrl.algorithms.logprobs import token_logprobs_and_teacher_kl
 from llmrl.algorithms.packing import PackedBatch, pack_values
 from llmrl.config import ConfigError, DistillationConfig
 from llmrl.trainer.loss_terms.base import MicroBatch, Step
 from llmrl.trainer.loss_terms.teacher import TeacherTerm
-from llmrl.trainer.passes import ForwardPasses, Model, PolicyTokens
+from llmrl.trainer.loss_terms.teacher_sources import Teacher
+from llmrl.trainer.passes import ForwardPasses, PolicyTokens
 
 
 class TeacherTopK(TeacherTerm):
@@ -17,15 +18,13 @@ class TeacherTopK(TeacherTerm):
     forward computes the policy's reverse KL to them from the same logits as its logprobs (so this term
     runs the policy's forward, `policy_tokens`), a loss term weighted by `coef`."""
 
-    def __init__(self, passes: ForwardPasses, teacher: Model, distillation: DistillationConfig):
+    def __init__(self, passes: ForwardPasses, teacher: Teacher, distillation: DistillationConfig):
         super().__init__(passes, teacher, distillation)
         self._top: list[tuple[torch.Tensor, ...] | None] = []
 
     def prepare(self, step: Step) -> dict[str, float]:
         self._check_whole_distributions(step)
-        scored = self.passes.sequence_outputs(
-            self.teacher, step.sequences, step.masks, step.trained, self._scored
-        )
+        scored = self.teacher.outputs(step, self.distillation.top_k)
         self._top = [None if s is None else s[1:] for s in scored]
         return self._teacher_metrics(step, [None if s is None else s[0] for s in scored])
 
@@ -45,10 +44,6 @@ class TeacherTopK(TeacherTerm):
     def add_loss(self, micro: MicroBatch) -> None:
         assert micro.policy.logits_loss is not None, "the micro-batch's forward was this term's"
         micro.loss.add_weighted("teacher_kl", micro.policy.logits_loss, self.distillation.coef)
-
-    def _scored(self, model: Model, packed: PackedBatch) -> tuple[torch.Tensor, ...]:
-        """The teacher's logprobs, and its top-k logprobs and ids."""
-        return token_top_k(model, packed, self.passes.token_sampling(packed), self.distillation.top_k)
 
     def _check_whole_distributions(self, step: Step) -> None:
         """`signal: top_k` compares whole distributions: a rollout sampled through filters is refused."""
