@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -36,12 +37,14 @@ from llmrl.config import ConfigError, RunConfig, dump_config, load_config
 from llmrl.errors import UserCodeError, UserError
 from llmrl.quiet import quiet_libraries
 from llmrl.stopping import StoppedBySignal
+from llmrl.threads import bound_openmp_spinning, set_torch_threads
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 EXIT_TRY_AGAIN = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command may succeed later
 _REEXEC_MARK = "LLMRL_RUN_WITH_VLLM"  # set in a command run again with vLLM's interpreter
+_COMMANDS_THAT_COMPUTE = ("train", "eval", "serve-inference")  # where torch's threads matter (llmrl.threads)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -114,6 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"evaluating {model.description} on {', '.join(environments)}: the first "
         f"{config.evaluation.num_prompts} held-out problems{' of each' if len(environments) > 1 else ''}"
     )
+    print(set_torch_threads().describe())
     with model.served(config.model) as served:
         summary = _evaluate(config.model_copy(update={"model": served}), f"evaluation of {model.description}")
     # A model of no run lands in the run of a config given, never in the built-in demo's run folder.
@@ -210,8 +214,6 @@ def _improvement(summary: dict) -> dict[str, str]:
 
 
 def _server_logging() -> None:
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per inference call drowns the rest
 
@@ -239,6 +241,7 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
     from llmrl.trainer.evaluated_model import find_evaluated_model
 
     _server_logging()
+    logging.getLogger("llmrl").info(set_torch_threads().describe())
     # What `llmrl eval --model` evaluates: a run folder its latest checkpoint, a LoRA one merged onto its base.
     model = find_evaluated_model(args.model)
     print(f"serving {model.description}", flush=True)
@@ -417,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.command in _COMMANDS_THAT_COMPUTE:
+        bound_openmp_spinning()  # before anything loads torch
     if not getattr(args, "verbose", True):  # `llmrl config` loads no library
         quiet_libraries()
     try:

@@ -59,6 +59,7 @@ from llmrl.registry import import_plugins
 from llmrl.rollouts import RolloutSource, prepare_batch, rollout_metrics, rollout_source, staleness_metrics
 from llmrl.seeding import derive_seed
 from llmrl.stopping import STOP_SIGNALS, StepAbandoned, StoppedBySignal, stop_abandons_steps
+from llmrl.threads import set_torch_threads
 from llmrl.trainer import checkpoint as ckpt
 from llmrl.trainer.checkpointer import checkpointer_for, resume_point
 from llmrl.trainer.distributed import Distributed, OneProcess
@@ -104,6 +105,7 @@ class Trainer:
         import_plugins(config.plugins)
         transformers.utils.logging.disable_progress_bar()  # per-load and per-save bars would drown ours
         device = _device(config.training.device)
+        self.threads = set_torch_threads(cuda=device == "cuda")  # before any thread computes
         self.distributed = Distributed.from_env(device)  # None in one process: the parts built know the mode
         self.processes = self.distributed or OneProcess()  # the loop's collectives, whatever the mode
         self.is_main = self.processes.is_main
@@ -325,6 +327,7 @@ class Trainer:
             )
         )
         display.message(self.memory_plan.render())
+        display.message(self.threads.describe())
         if self.models.adapters is not None:
             display.message(self.models.adapters.summary())
         if self.evaluator.due_at_start(self.step):
