@@ -41,6 +41,15 @@ from llmrl.threads import usable_cores
 LIBGOMP_SPIN_COUNT = "300000"
 """libgomp's spin when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set."""
 
+BUSY_LOOP = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:  # a bench stopped before it stops the loop leaves no orphan spinning
+    for _ in range(1_000_000):
+        pass
+"""
+"""The competing CPU-bound process: a pure-Python loop, one core's worth."""
+
 DISTURBED = 0.10
 """Share of the CPUs other processes may use during a run before its timing is flagged."""
 
@@ -71,7 +80,7 @@ def run(steps: int, env: dict[str, str], busy: bool, run_dir: Path) -> dict:
         )
     ]
     machine_before, ours_before = machine_cpu_seconds(), children_cpu_seconds()
-    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    loop = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if busy else None
     began = time.perf_counter()
     try:
         subprocess.run(command, env=clean | env, check=True, stdout=subprocess.DEVNULL)
