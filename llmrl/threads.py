@@ -1,15 +1,16 @@
 """torch's CPU threads: how many a process computes with, and how long they spin between ops.
 
-torch's defaults suit a machine of its own: one OpenMP thread per CPU the process may run on, and
-threads that keep spinning after each parallel op, waiting for the next (GNU libgomp, which torch's
-Linux wheels ship: 300,000 iterations, milliseconds). Beside another busy process, one of the team's
-threads shares its core, and every op waits until the scheduler runs it: the demo, ~100 small ops per
-decode step, ran 15-25x slower on 2 cores beside one busy-looping process. Two changes, measured on
-the demo (docs/benchmarks.md, "CPU threads"):
+torch's defaults suit a machine of its own: one OpenMP thread per core, and threads that keep spinning
+after each parallel op, waiting for the next (GNU libgomp, which torch's Linux wheels ship: 300,000
+iterations, milliseconds). Beside another busy process, one of the team's threads shares its core with
+it, and every op waits until the scheduler runs that thread: on 2 cores beside one busy loop the demo
+(~100 small ops per decode step) trained 6-10x slower than alone. Two changes, measured on the demo
+(docs/benchmarks.md, "CPU threads"):
 
 - Spinning is bounded (`SPIN_COUNT` iterations, then the thread sleeps), before torch loads
   (`bound_openmp_spinning`): libgomp reads its environment once, as it loads. Beside a busy process
-  the demo then takes about twice its idle time, and alone as long as with torch's spin.
+  the demo then trains in about twice its time alone, and alone takes 3-10% longer than with torch's
+  spin (no setting measured does both: a longer spin is faster alone and slower beside the other).
 - The thread count is the share of the cores this process may use (`choose_threads`): those of its
   CPU affinity, capped by a container's CPU quota, divided among the processes torchrun started on the
   machine; torch counts neither the quota nor the other ranks (torchrun gives each rank 1).
