@@ -47,6 +47,8 @@ from pydantic import ValidationError
 from llmrl.agents.base import Problem, make_prompt
 from llmrl.agents.reward_only import RewardOnlyAgent
 from llmrl.config import describe_python_object
+from llmrl.inference.interface import InferenceInterface
+from llmrl.inference.judge import judge_reward_function
 from llmrl.models.reward_model import reward_model_function
 from llmrl.rewards.answers import extract_answer, normalize_answer
 from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine, combine_group
@@ -268,7 +270,8 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
                 column (flat layout only).
             chat: send chat messages (for chat-tuned models) rather than plain text (flat layout).
             reward_functions: ``{function, weight, style, name, batch}`` entries (`llmrl.rewards.functions`)
-                or reward models' ``{model, weight, name, batch, device, dtype}`` (`llmrl.models.reward_model`);
+                or reward models' ``{model, weight, name, batch, device, dtype}`` (`llmrl.models.reward_model`)
+                or LLM judges' ``{judge: {...}, weight, name}`` (`llmrl.inference.judge`);
                 default: exact match, or `default_compute_score` in the verl layout.
             **kwargs: `RewardOnlyAgent` options (eval_size, max_turns, timeouts, generation_args, ...).
         """
@@ -397,15 +400,16 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
     # ---- reward ----------------------------------------------------------------------------------
 
     async def score_episodes(
-        self, responses: list[InferenceResponse], problem: Problem
+        self, responses: list[InferenceResponse], problem: Problem, inference: InferenceInterface
     ) -> list[float | Reward | BaseException]:
         """With reward functions: each scores the whole group at once (`combine_group`), its calls run as
-        `reward` calls are (worker threads or awaited, `reward_concurrency` at a time)."""
+        `reward` calls are (worker threads or awaited, `reward_concurrency` at a time); a judge without a
+        server of its own asks `inference`, the policy's."""
         if not self.reward_functions:
-            return await super().score_episodes(responses, problem)
+            return await super().score_episodes(responses, problem, inference)
         samples = [self.sample(response, problem) for response in responses]
         return await combine_group(
-            self.reward_functions, samples, functools.partial(self._call_env, span="reward")
+            self.reward_functions, samples, functools.partial(self._call_env, span="reward"), inference
         )
 
     def reward(self, response: InferenceResponse, problem: Problem) -> float | Reward:
@@ -433,10 +437,12 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
 
 
 def _reward_function(entry: Any, where: str) -> RewardFunction:
-    """A reward function entry: a function's (`RewardFunction.from_config`), or a reward model's
-    (``model:``, `llmrl.models.reward_model`)."""
+    """A reward function entry: a function's (`RewardFunction.from_config`), a reward model's (``model:``,
+    `llmrl.models.reward_model`) or an LLM judge's (``judge:``, `llmrl.inference.judge`)."""
     if isinstance(entry, Mapping) and "model" in entry:
         return reward_model_function(entry, where)
+    if isinstance(entry, Mapping) and "judge" in entry:
+        return judge_reward_function(entry, where)
     return RewardFunction.from_config(entry, where)
 
 

@@ -419,19 +419,24 @@ class RewardOnlyAgent(ProblemSetAgent):
             )
         )
         finished = [episode for episode in played if isinstance(episode, _Episode)]
-        rewards = iter(await self.score_episodes([e.response for e in finished], problem) if finished else [])
+        scored = (
+            await self.score_episodes([e.response for e in finished], problem, inference) if finished else []
+        )
+        rewards = iter(scored)
         return [
             self._scored(episode, next(rewards), problem) if isinstance(episode, _Episode) else episode
             for episode in played
         ]
 
     async def score_episodes(
-        self, responses: list[InferenceResponse], problem: Problem
+        self, responses: list[InferenceResponse], problem: Problem, inference: InferenceInterface
     ) -> list[float | Reward | BaseException]:
         """The rewards of one problem's finished episodes, each from its last model turn, in order; an
         exception in place of a reward fails that rollout only. This default calls `reward` on each
         (`reward_concurrency` at a time, each under `reward_timeout_s`); an agent that scores a group in
-        one call overrides it (`DatasetAgent` with reward functions)."""
+        one call overrides it (`DatasetAgent` with reward functions, which may ask the policy's
+        `inference` to judge)."""
+        del inference
         return await asyncio.gather(
             *(self._call_env(self.reward, response, problem) for response in responses),
             return_exceptions=True,

@@ -39,10 +39,11 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from llmrl.errors import UserCodeFailure, code_location
 from llmrl.registry import resolve_function
+from llmrl.types import InferenceRequest, InferenceResponse
 
 Style = Literal["trl", "verl"]
 STYLES: tuple[str, ...] = ("trl", "verl")
@@ -60,6 +61,12 @@ Caller = Callable[..., Awaitable[Any]]
 """How the agent runs the user's code: ``await call(fn, *args)`` awaits a coroutine function and runs
 any other in a worker thread (`RewardOnlyAgent`: ``reward_concurrency`` calls at a time, each under
 ``reward_timeout_s``)."""
+
+
+class PolicyInference(Protocol):
+    """The policy's inference interface, as a reward that asks the policy itself (an LLM judge) sees it."""
+
+    async def agenerate(self, request: InferenceRequest) -> list[InferenceResponse]: ...
 
 
 @dataclass(frozen=True)
@@ -180,10 +187,14 @@ class RewardFunction:
             type(self.function).__call__
         )
 
-    async def score_group(self, samples: Sequence[Sample], call: Caller) -> list[Score | Exception]:
+    async def score_group(
+        self, samples: Sequence[Sample], call: Caller, policy: PolicyInference | None = None
+    ) -> list[Score | Exception]:
         """This function's scores of one group's samples, in order: one call with all of them, or one per
         sample (``batch: completion``, verl style), each run by `call`. A failure (`UserCodeFailure`, a
-        timeout) stands in place of the score of each sample it failed."""
+        timeout) stands in place of the score of each sample it failed. `policy`: the inference that
+        sampled them, for a reward that asks the policy (a plain function is not given it)."""
+        del policy
         score = self.ascore if self.is_async else self.score
         parts = [[sample] for sample in samples] if self.batch == "completion" else [list(samples)]
         scored = await asyncio.gather(*(_failures_in_place(call, score, part) for part in parts))
@@ -285,15 +296,19 @@ async def call_here(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 async def combine_group(
-    functions: Sequence[RewardFunction], samples: Sequence[Sample], call: Caller
+    functions: Sequence[RewardFunction],
+    samples: Sequence[Sample],
+    call: Caller,
+    policy: PolicyInference | None = None,
 ) -> list[Reward | Exception]:
     """The reward of each of one group's samples: the weighted sum of the functions that apply, with
-    every value by name. The functions score the group concurrently, each run by `call`.
+    every value by name. The functions score the group concurrently, each run by `call`; `policy` is the
+    inference that sampled them (for a judge that is the policy itself).
 
     A sample gets a failure in place of its reward when a function failed for it (the first such
     function's, in list order), or when none applies (all returned None): such a sample has no
     reward, and scoring it 0 would train on a reward nobody gave."""
-    scores = await asyncio.gather(*(function.score_group(samples, call) for function in functions))
+    scores = await asyncio.gather(*(function.score_group(samples, call, policy) for function in functions))
     return [_combined(functions, [scored[i] for scored in scores]) for i in range(len(samples))]
 
 

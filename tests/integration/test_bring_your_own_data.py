@@ -19,6 +19,7 @@ import pytest
 from llmrl.config import config_from_dict
 from llmrl.telemetry import read_metrics
 from llmrl.trainer import Trainer
+from tests.integration.servers import serving
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +74,28 @@ def test_held_out_accuracy_rises_on_a_layout_with_a_trl_reward_function(
     assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all(f"reward/{layout}/{function}" in row for row in rows[1:])
+
+
+def test_held_out_accuracy_rises_with_an_llm_judge_as_the_reward(tmp_path, tiny_model_path):
+    """The judge, a server process behind HTTP, grades every training and evaluation completion."""
+    with serving(
+        "tests.integration.grading_judge", "--delay-s", "0.01", log_path=tmp_path / "judge.log"
+    ) as url:
+        environment = {
+            "agent_type": "dataset",
+            "env_id": "judged",
+            "agent_args": {
+                "data_files": str(FIXTURES / "trl_train.jsonl"),
+                "eval_data_files": str(FIXTURES / "trl_test.jsonl"),
+                "answer_column": "solution",
+                "reward_functions": [{"judge": {"url": f"{url}/v1", "max_concurrent": 32}}],
+            },
+        }
+        summary = run(tmp_path, environment, steps=40)
+    before, after = summary["eval_start"]["judged"], summary["eval_end"]["judged"]
+    assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert all("reward/judged/judge" in row and "judged/failures/reward" not in row for row in rows[1:])
 
 
 def test_an_environment_with_its_own_sampling_options_trains_on_policy(tmp_path, tiny_model_path):
