@@ -400,7 +400,7 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
     # ---- reward ----------------------------------------------------------------------------------
 
     async def score_episodes(
-        self, responses: list[InferenceResponse], problem: Problem, inference: InferenceInterface
+        self, responses: list[InferenceResponse], problem: Problem, inference: InferenceInterface | None
     ) -> list[float | Reward | BaseException]:
         """With reward functions: each scores the whole group at once (`combine_group`), its calls run as
         `reward` calls are (worker threads or awaited, `reward_concurrency` at a time); a judge without a

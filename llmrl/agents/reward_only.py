@@ -429,7 +429,7 @@ class RewardOnlyAgent(ProblemSetAgent):
         ]
 
     async def score_episodes(
-        self, responses: list[InferenceResponse], problem: Problem, inference: InferenceInterface
+        self, responses: list[InferenceResponse], problem: Problem, inference: InferenceInterface | None
     ) -> list[float | Reward | BaseException]:
         """The rewards of one problem's finished episodes, each from its last model turn, in order; an
         exception in place of a reward fails that rollout only. This default calls `reward` on each
