@@ -126,7 +126,7 @@ class JudgeSettings(BaseModel):
         return pattern
 
     @model_validator(mode="after")
-    def _one_endpoint(self) -> JudgeSettings:
+    def _consistent(self) -> JudgeSettings:
         if (self.model is not None or self.api_key_env is not None) and self.url is None:
             raise ValueError("model and api_key_env belong to url")
         low, high = self.score_range or (0.0, 1.0)
@@ -150,7 +150,8 @@ Parser = Callable[[str], float | None]
 
 
 class Judge:
-    """Grades completions by asking a model: `grade` is one sample's `Score`, or the failure in its place."""
+    """Grades completions by asking a model: `grade` gives one sample's `Score` (or raises its failure),
+    `grade_group` a group's, each failure in place of its score."""
 
     def __init__(
         self,
@@ -167,9 +168,13 @@ class Judge:
         self.base_url = normalise_base_url(base_url) if base_url is not None else None
         self.parse = self._parser()
         self._model = settings.model
-        api_key = api_key_from_env(settings.api_key_env, f"{where}.api_key_env")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._transport = transport
+        api_key = api_key_from_env(settings.api_key_env, f"{where}.judge.api_key_env")
+        self._client_settings = {
+            "base_url": self.base_url or "",
+            "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
+            "transport": transport,
+            "limits": httpx.Limits(max_connections=settings.max_concurrent),
+        }
         self._retry = RetryPolicy(settings.timeout_s, retries=settings.max_retries)
         self._grades: collections.OrderedDict[tuple[str, str], Score] = collections.OrderedDict()
         self._per_loop: dict[asyncio.AbstractEventLoop, _LoopState] = {}
@@ -303,7 +308,7 @@ class Judge:
 
     async def _call(self, state: _LoopState, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            response = await send(state.client(self), method, path, self._retry, **kwargs)
+            response = await send(state.client(), method, path, self._retry, **kwargs)
         except HTTPRequestError as exc:
             raise self._failed(exc.failure) from None
         try:
@@ -321,7 +326,7 @@ class Judge:
         for old in [other for other in self._per_loop if other.is_closed()]:
             del self._per_loop[old]
         if loop not in self._per_loop:
-            self._per_loop[loop] = _LoopState(self.settings.max_concurrent)
+            self._per_loop[loop] = _LoopState(self.settings.max_concurrent, self._client_settings)
         return self._per_loop[loop]
 
     # ---- parsing --------------------------------------------------------------------------------
@@ -375,22 +380,19 @@ class Judge:
 
 class _LoopState:
     """What one event loop holds of a judge: its request slots, its requests in flight by key, the lock
-    under which the first request asks the server for its model, and its HTTP client."""
+    under which the first request asks the server for its model, and its HTTP client (made with
+    `client_settings` when first needed)."""
 
-    def __init__(self, max_concurrent: int):
+    def __init__(self, max_concurrent: int, client_settings: dict[str, Any]):
         self.slots = asyncio.Semaphore(max_concurrent)
         self.pending: dict[tuple[str, str], asyncio.Future[Score]] = {}
         self.naming = asyncio.Lock()
+        self._client_settings = client_settings
         self._client: httpx.AsyncClient | None = None
 
-    def client(self, judge: Judge) -> httpx.AsyncClient:
+    def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(
-                base_url=judge.base_url or "",
-                headers=judge._headers,
-                transport=judge._transport,
-                limits=httpx.Limits(max_connections=judge.settings.max_concurrent),
-            )
+            self._client = httpx.AsyncClient(**self._client_settings)
         return self._client
 
 
