@@ -193,6 +193,26 @@ class InferenceRequest(WireModel):
         return ids
 
 
+class RoutedExperts(WireModel):
+    """The experts a mixture-of-experts model's routers chose, per token it read, per MoE layer, the top
+    k in the router's order (router replay, `llmrl.models.routing`): ``[tokens, layers, k]`` 16-bit
+    little-endian integers, base64; -1 where a token has no recorded route."""
+
+    shape: tuple[StrictInt, StrictInt, StrictInt]
+    data: str
+
+    @model_validator(mode="after")
+    def _size_matches_shape(self) -> RoutedExperts:
+        tokens, layers, k = self.shape
+        if min(self.shape) < 0 or layers == 0 or k == 0:
+            raise ValueError(f"shape must be [tokens >= 0, layers >= 1, k >= 1], got {list(self.shape)}")
+        if len(self.data) != 4 * math.ceil(2 * tokens * layers * k / 3):
+            raise ValueError(
+                f"data holds {len(self.data)} base64 characters, not {tokens}x{layers}x{k} int16"
+            )
+        return self
+
+
 class InferenceResponse(WireModel):
     """One sampled completion, with the exact tokens and logprobs the engine produced."""
 
@@ -213,6 +233,13 @@ class InferenceResponse(WireModel):
             "Where new weights took over mid-completion (in-flight weight updates): pairs [i, v], completion "
             "token i and those after it sampled by version v, until the next pair. Empty: every token by "
             "`policy_version`."
+        ),
+    )
+    routed_experts: RoutedExperts | None = Field(
+        None,
+        description=(
+            "With router replay: the experts chosen for every token the engine read, the prompt's and each "
+            "completion token's but the last (which no forward read)."
         ),
     )
 
@@ -258,6 +285,13 @@ class TokenRollout(WireModel):
             "Where newer weights took over (a later turn, or in-flight updates within one): pairs [i, v] "
             "over the flattened trajectory, its sampled tokens from position i on by version v, until the "
             "next pair. Empty: every sampled token by `policy_version`."
+        ),
+    )
+    routed_experts: RoutedExperts | None = Field(
+        None,
+        description=(
+            "With router replay: the experts the engine chose for the flattened trajectory's tokens (of its "
+            "last model turn, which read all earlier ones); positions past them route live."
         ),
     )
     kind: Literal["token"] = "token"

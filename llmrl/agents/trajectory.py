@@ -74,4 +74,6 @@ class Trajectory:
             truncated=self.last.finish_reason == "length",
             policy_version=self.policy_version or 0,
             version_changes=self.version_changes,
+            # The last model turn read every earlier token: its routes are the whole trajectory's.
+            routed_experts=self.last.routed_experts,
         )

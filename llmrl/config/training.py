@@ -72,6 +72,12 @@ class TrainingConfig(Section):
     stops before training, naming them. A later turn that does not fit, or a server with a shorter context,
     fails its rollouts as a data failure (`failures/data`): they are left out of the batch, and the run goes
     on (an agent program's call is refused to the program, as an HTTP 400 it may handle)."""
+    router_replay: bool | Literal["observe"] = False
+    """Mixture-of-experts models: `true` runs the trainer's forwards through the experts the embedded
+    engine chose for each token (Rollout Routing Replay, docs/models.md), the gating weights still from
+    the live router; `observe` records the engine's choices and only logs how often the trainer's
+    routers part from them (`routing/differs_*`); `false` neither. Refused for a model without MoE
+    layers and for inference that cannot record routes."""
     deterministic: bool = True
     """Use deterministic kernels so that the same config gives the same numbers."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

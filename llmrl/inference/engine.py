@@ -38,6 +38,7 @@ The engine runs on the device of the model's parameters (CPU or CUDA).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 from collections import deque
@@ -65,6 +66,7 @@ from llmrl.inference.sampling import (
 )
 from llmrl.inference.sequences import PendingRequest, RunningSequence, finish_reason, penalized, response
 from llmrl.models.loading import check_supported
+from llmrl.models.routing import RouteRecorder
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightTransport, WeightUpdate, in_process_transports, transport_for
 
@@ -123,6 +125,7 @@ class LocalEngine(InferenceInterface):
         policy_version: int = 0,
         seed: int | None = None,
         owns_model: bool = False,
+        record_routes: bool = False,
     ):
         """
         Args:
@@ -144,6 +147,9 @@ class LocalEngine(InferenceInterface):
                 q/k/v and gate/up tensors into the concatenated copies it keeps (one copy of the
                 weights instead of ~1.5; the model's forward and those tensors are gone for anyone
                 else). False: the model stays whole, for callers that go on using it.
+            record_routes: each response carries the experts a mixture-of-experts model's routers chose
+                for every token the engine read (`InferenceResponse.routed_experts`, router replay);
+                refused for a model without MoE layers.
         """
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
@@ -164,6 +170,7 @@ class LocalEngine(InferenceInterface):
         self._device = next(model.parameters()).device
         # Built before the decoder releases any of the model's tensors: updates are checked against them all.
         self._transports = in_process_transports(model, self._apply_update, max_version=MAX_POLICY_VERSION)
+        self._routes = RouteRecorder(model) if record_routes else None
         self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, owns_model=owns_model)
         self._eos_ids = frozenset(
             _default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids
@@ -444,13 +451,22 @@ class LocalEngine(InferenceInterface):
         logits = []
         if self._running:
             self.stats.decode_tokens += len(self._running)
-            logits.append(self._decoder.decode(self._last_tokens))
+            with self._recording():
+                logits.append(self._decoder.decode(self._last_tokens))
+            if self._routes is not None:
+                for seq, route in zip(self._running, self._routes.take(), strict=True):
+                    seq.routes.append(route)
         if admitted:
-            prompt_logits = self._decoder.prefill(
-                [r.prompt_ids for r in admitted],
-                [r.n for r in admitted],
-                [r.args.max_tokens for r in admitted],
-            )
+            with self._recording():
+                prompt_logits = self._decoder.prefill(
+                    [r.prompt_ids for r in admitted],
+                    [r.n for r in admitted],
+                    [r.args.max_tokens for r in admitted],
+                )
+            if self._routes is not None:
+                prompt_routes = self._routes.take().split([len(r.prompt_ids) for r in admitted])
+                for request, routes in zip(admitted, prompt_routes, strict=True):
+                    request.prompt_routes = routes
             if any(r.n > 1 for r in admitted):
                 counts = torch.tensor([r.n for r in admitted], device=self._device)
                 prompt_logits = prompt_logits.repeat_interleave(counts, dim=0)
@@ -493,6 +509,10 @@ class LocalEngine(InferenceInterface):
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self._decoder.cache_bytes)
         if finished:
             self._remove_rows(finished)
+
+    def _recording(self) -> contextlib.AbstractContextManager:
+        """Where the decoder's forwards run: under the route recorder when the engine records routes."""
+        return contextlib.nullcontext() if self._routes is None else self._routes
 
     def _start(self, request: PendingRequest) -> None:
         """Create the request's sequences (rows were appended by the decoder's prefill)."""

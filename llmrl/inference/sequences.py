@@ -19,6 +19,7 @@ from tokenizers.decoders import DecodeStream
 
 from llmrl.inference.kv_cache import list_tensor
 from llmrl.inference.sampling import penalize
+from llmrl.models.routing import routes_to_wire
 from llmrl.types import FinishReason, GenerationArgs, InferenceResponse
 
 
@@ -35,6 +36,7 @@ class PendingRequest:
     policy_version: int = 0
     sequences: list[RunningSequence] = field(default_factory=list)
     unfinished: int = 0
+    prompt_routes: torch.Tensor | None = None  # [prompt tokens, layers, k] when the engine records routes
 
 
 @dataclass(eq=False)
@@ -50,6 +52,7 @@ class RunningSequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version_changes: list[tuple[int, int]] = field(default_factory=list)  # in-flight updates it spans
+    routes: list[torch.Tensor] = field(default_factory=list)  # [layers, k] of each sampled token fed back
     finish_reason: FinishReason | None = None
 
 
@@ -96,6 +99,9 @@ def response(seq: RunningSequence, tokenizer: Any) -> InferenceResponse:
         finish_reason=seq.finish_reason,
         policy_version=request.policy_version,
         version_changes=seq.version_changes,
+        routed_experts=None
+        if request.prompt_routes is None
+        else routes_to_wire(torch.cat([request.prompt_routes, *(route[None] for route in seq.routes)])),
     )
 
 

@@ -20,12 +20,15 @@ as the last sampled token, which no engine forward ever read.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from llmrl.errors import ModelSpecError
+from llmrl.types import RoutedExperts
 
 REPLAYABLE_ROUTERS: dict[str, str | None] = {
     "MixtralTopKRouter": None,
@@ -40,12 +43,20 @@ ROUTE_DTYPE = torch.int16
 """Expert indices: up to 32,767 experts, two bytes per token, layer and choice."""
 
 
+def has_moe_routers(model: torch.nn.Module) -> bool:
+    return bool(_routers(model))
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        module for module in model.modules() if type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
+    ]
+
+
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """`model`'s top-k routers, one per MoE layer, in layer order; raises `ModelSpecError` when it has
     none, or one whose gating cannot be replayed."""
-    routers = [
-        module for module in model.modules() if type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
-    ]
+    routers = _routers(model)
     if not routers:
         raise ModelSpecError(
             f"{type(model).__name__} has no mixture-of-experts layers: there are no routes to replay"
@@ -171,3 +182,28 @@ class RouteReplay:
         self.tokens, self.differing_any = 0, 0
         self.differing.zero_()
         return metrics
+
+
+def routes_to_wire(routes: torch.Tensor) -> RoutedExperts:
+    """``[tokens, layers, k]`` routes as they travel with a response or a rollout."""
+    data = routes.to(ROUTE_DTYPE).numpy().astype("<i2").tobytes()
+    return RoutedExperts(shape=tuple(routes.shape), data=base64.b64encode(data).decode("ascii"))
+
+
+def routes_from_wire(wire: RoutedExperts) -> torch.Tensor:
+    array = np.frombuffer(base64.b64decode(wire.data), dtype="<i2").reshape(wire.shape)
+    return torch.from_numpy(array.astype(np.int16))
+
+
+def routes_for(wire: RoutedExperts | None, tokens: int, layers: int, k: int) -> torch.Tensor:
+    """The routes of a sequence of `tokens` tokens: those recorded (cut to `tokens`), then -1 (live)."""
+    routes = torch.full((tokens, layers, k), -1, dtype=ROUTE_DTYPE)
+    if wire is not None:
+        recorded = routes_from_wire(wire)[:tokens]
+        if tuple(recorded.shape[1:]) != (layers, k):
+            raise ValueError(
+                f"recorded routes of {recorded.shape[1]} layers x top-{recorded.shape[2]}; the model has "
+                f"{layers} MoE layers x top-{k}"
+            )
+        routes[: recorded.shape[0]] = recorded
+    return routes

@@ -174,7 +174,11 @@ class PolicyUpdate:
                 grad_norm = self._clip_gradients()
                 self.optimizer.step()
                 totals.add_optimizer_step(grad_norm)
-        return self.passes.over_ranks(totals, MetricTotals.combine).result() | step_metrics
+        return (
+            self.passes.over_ranks(totals, MetricTotals.combine).result()
+            | step_metrics
+            | self.passes.route_metrics()
+        )
 
     def _prepare(self, batch: RolloutBatch) -> tuple[Step, dict[str, float]]:
         """The step as its terms prepared it (``pi_old``'s logprobs first when any need them), and the
@@ -183,6 +187,8 @@ class PolicyUpdate:
         self.passes.follow_sampling(
             sampling_args, [f"{r.env_id} problem {r.problem_id}" for r in batch.rollouts]
         )
+        if self.training.router_replay:
+            self.passes.follow_routes([r.routed_experts for r in batch.rollouts])
         trained = [
             i for i in range(len(batch)) if not (self.skip_zero_advantage and batch.advantages[i] == 0)
         ]
@@ -210,8 +216,9 @@ class PolicyUpdate:
                     self.passes.policy, step.sequences, step.masks, chosen[0], backward=True
                 )
                 continue
-            loss, metrics = self._loss(step, packed, normalizer)
-            loss.backward()
+            with self.passes.routed(self.passes.policy, packed):
+                loss, metrics = self._loss(step, packed, normalizer)
+                loss.backward()
             totals.add_micro_batch(metrics)
 
     def _loss(

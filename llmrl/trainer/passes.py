@@ -29,9 +29,10 @@ from llmrl.algorithms.packing import (
     unpack,
 )
 from llmrl.config import ConfigError, TrainingConfig
+from llmrl.models.routing import ROUTE_DTYPE, RouteReplay, has_moe_routers, routes_for
 from llmrl.models.shape import ModelShape
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
-from llmrl.types import GenerationArgs
+from llmrl.types import GenerationArgs, RoutedExperts
 
 Model = torch.nn.Module | ShardedCausalLM
 Scorer = Callable[[Model, PackedBatch], tuple[torch.Tensor, ...]]
@@ -83,6 +84,10 @@ class ForwardPasses:
         self.policy = self.runnable(policy)
         self.sampling: float | SamplingParams = 1.0
         """The step's sampling options (`follow_sampling`)."""
+        self.routes: list[RoutedExperts | None] | None = None
+        """The step's sequences' recorded MoE routes (`follow_routes`); None: routers run live, unwatched."""
+        self.replay_routes = training.router_replay is True
+        self._route_replays: dict[int, RouteReplay | None] = {}
 
     def runnable(self, model: torch.nn.Module) -> Model:
         """`model` as the passes run it: sharded models through `ShardedCausalLM`."""
@@ -91,6 +96,34 @@ class ForwardPasses:
     def follow_sampling(self, args: Sequence[GenerationArgs], names: Sequence[str]) -> None:
         """From now on each rollout's logprobs follow its sampling options `args` (`sampling_params`)."""
         self.sampling = sampling_params(args, names)
+
+    def follow_routes(self, routes: Sequence[RoutedExperts | None]) -> None:
+        """From now on the passes of a model with MoE layers route each sequence's tokens through its
+        recorded experts (``training.router_replay: true``), or count where the live routers part from
+        them (``observe``)."""
+        self.routes = list(routes)
+
+    @contextlib.contextmanager
+    def routed(self, model: Model, packed: PackedBatch) -> Iterator[None]:
+        """Forwards (and backwards: a recomputed forward routes as the first did) of `packed` by `model`
+        inside the block, with the step's recorded routes (`follow_routes`)."""
+        if id(model) not in self._route_replays:
+            self._route_replays[id(model)] = (
+                RouteReplay(model) if self.routes is not None and has_moe_routers(model) else None
+            )
+        replay = self._route_replays[id(model)]
+        if self.routes is None or replay is None:  # not asked, or a dense model beside an MoE policy
+            yield
+            return
+        with replay.routes(
+            packed_routes(self.routes, packed, replay.layers, replay.top_k), replay=self.replay_routes
+        ):
+            yield
+
+    def route_metrics(self) -> dict[str, float]:
+        """How often the policy's live routers chose other experts than those recorded, since the last call."""
+        replay = self._route_replays.get(id(self.policy))
+        return {} if replay is None else replay.pop_metrics()
 
     def over_ranks(self, value: Shared, combine: Callable[[list[Shared]], Shared]) -> Shared:
         """The `combine` of every rank's `value`, in rank order; on one process `value` itself."""
@@ -177,7 +210,7 @@ class ForwardPasses:
             if packed is None:
                 self.idle_pass(model, sequences, masks, indices[0], backward=False)
                 continue
-            with self.compute():
+            with self.compute(), self.routed(model, packed):
                 outputs = [unpack(output, packed) for output in score(model, packed)]
             for i in outputs[0]:
                 values[i] = tuple(output[i].cpu() for output in outputs)
@@ -220,6 +253,23 @@ class ForwardPasses:
         self, sequences: list[list[int]], masks: list[list[bool]], rows: list[list[Unit]]
     ) -> PackedBatch:
         return build_batch(sequences, rows, masks, self.pad_token_id).to(self.device)
+
+
+def packed_routes(
+    routes: Sequence[RoutedExperts | None], packed: PackedBatch, layers: int, top_k: int
+) -> torch.Tensor:
+    """The recorded routes of `packed`'s tokens, ``[rows * length, layers, k]`` in the order the model
+    reads them; -1 (live) on padding and past what was recorded."""
+    rows, length = packed.input_ids.shape
+    laid_out = torch.full((rows, length, layers, top_k), -1, dtype=ROUTE_DTYPE)
+    for index, pieces in packed.spans.items():
+        tokens = sum(stop - start for _, start, stop in pieces)
+        sequence = routes_for(routes[index], tokens, layers, top_k)
+        offset = 0
+        for row, start, stop in pieces:
+            laid_out[row, start:stop] = sequence[offset : offset + stop - start]
+            offset += stop - start
+    return laid_out.reshape(rows * length, layers, top_k)
 
 
 def merged_shares(shares: list[list[Shared | None]]) -> list[Shared | None]:
