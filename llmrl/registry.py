@@ -27,6 +27,7 @@ _BUILTIN_AGENTS: dict[str, str] = {
     "math": "llmrl.envs.math:MathAgent",
     "gsm8k": "llmrl.envs.math:GSM8KAgent",
     "code": "llmrl.envs.code:CodeAgent",
+    "reasoning_gym": "llmrl.envs.reasoning_gym:ReasoningGymAgent",
     "dataset": "llmrl.agents.dataset:DatasetAgent",
     "remote": "llmrl.agents.remote:RemoteAgent",
     "openai_agent": "llmrl.agents.openai_agent:OpenAIAgent",
