@@ -33,6 +33,7 @@ from transformers import (
 from llmrl.config import config_folder_of_missing_spec, training_hint
 from llmrl.errors import ModelSpecError, UserError
 from llmrl.models.tiny import TINY_MODELS, tiny_model_path
+from llmrl.models.upcycle import UPCYCLED_MODELS, upcycled_model_path
 
 TINY_SCHEME = "tiny://"
 PATH_STARTS = (".", "/", "~")
@@ -47,6 +48,10 @@ DTYPES: dict[str, torch.dtype] = {
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 
 
+def _tiny_names() -> str:
+    return ", ".join(TINY_SCHEME + name for name in sorted([*TINY_MODELS, *UPCYCLED_MODELS]))
+
+
 def _is_plausible_hub_id(spec: str) -> bool:
     return bool(_HUB_ID.match(spec)) and ".." not in spec and not spec.endswith((".", "-"))
 
@@ -57,7 +62,12 @@ def resolve_model_spec(spec: str) -> str:
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"model spec must be a non-empty string, got {spec!r}")
     if spec.startswith(TINY_SCHEME):
-        return str(tiny_model_path(spec[len(TINY_SCHEME) :]))
+        name = spec[len(TINY_SCHEME) :]
+        if name in UPCYCLED_MODELS:
+            return str(upcycled_model_path(name))
+        if name not in TINY_MODELS:
+            raise ModelSpecError(f"unknown model spec {spec!r}; valid tiny models: {_tiny_names()}")
+        return str(tiny_model_path(name))
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -68,9 +78,9 @@ def resolve_model_spec(spec: str) -> str:
     if spec.startswith(PATH_STARTS):
         raise ModelSpecError(f"model spec {spec!r}: {_missing_folder(spec)}{training_hint(spec)}")
     if not _is_plausible_hub_id(spec):
-        tiny = ", ".join(TINY_SCHEME + name for name in sorted(TINY_MODELS))
         advice = (
-            training_hint(spec) or f"; use a folder written by save_pretrained, a hub id, or one of {tiny}"
+            training_hint(spec)
+            or f"; use a folder written by save_pretrained, a hub id, or one of {_tiny_names()}"
         )
         raise ModelSpecError(
             f"model spec {spec!r}: {_missing_folder(spec)}, and it is not a Hugging Face hub id (owner/name)"
