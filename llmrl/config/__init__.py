@@ -49,6 +49,7 @@ from llmrl.config.inference import (
     DEFAULT_ENGINE_TOKENS,
     VLLM_LORA_RANKS,
     InferenceConfig,
+    ServeConfig,
     VLLMConfig,
 )
 from llmrl.config.loading import (
@@ -98,6 +99,7 @@ __all__ = [
     "RatioLevel",
     "RunConfig",
     "Section",
+    "ServeConfig",
     "StdScope",
     "TeacherServerConfig",
     "TrainingConfig",

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from llmrl.config.inference import ServeConfig
 from llmrl.config.sections import Section
 
 # The allowed values of the algorithm's options, declared once: the fields below and `llmrl.algorithms` use
@@ -79,10 +80,14 @@ class AlgorithmConfig(Section):
 class TeacherServerConfig(Section):
     """A distillation teacher behind an inference server (docs/algorithms.md, "A served teacher"): llmrl's
     (`llmrl serve-inference --model TEACHER`) or vLLM's (`vllm serve TEACHER --max-logprobs K`), asked for
-    its `prompt_logprobs` of each sampled sequence."""
+    its `prompt_logprobs` of each sampled sequence. Name one server: `url` (one you run) or `serve` (one
+    llmrl starts for the run)."""
 
-    url: str
+    url: str | None = None
     """The server's API root, e.g. http://127.0.0.1:8100/v1 (`/v1` may be left out)."""
+    serve: ServeConfig | None = None
+    """A server that llmrl starts for the run instead (`ServeConfig`), logging to `RUN_DIR/teacher_server/`:
+    under torchrun one, which rank 0 starts and alone asks; vLLM's with `--max-logprobs distillation.top_k`."""
     model: str | None = None
     """The model name sent with each request; None: the first the server lists (`/v1/models`)."""
     api_key_env: str | None = None
@@ -94,6 +99,14 @@ class TeacherServerConfig(Section):
     max_retries: int = Field(3, ge=0)
     """Further attempts at a failed request, 0.5 s, 1 s, 2 s, ... apart; after the last, the run stops
     (exit status 75: rerunning resumes)."""
+
+    @model_validator(mode="after")
+    def _one_server(self) -> TeacherServerConfig:
+        if (self.url is None) == (self.serve is None):
+            raise ValueError(
+                "name one teacher server: `url` (a server you run) or `serve` (one llmrl starts for the run)"
+            )
+        return self
 
 
 class DistillationConfig(Section):

@@ -1,5 +1,6 @@
 """How rollouts are generated: the inference interface (`InferenceConfig`) and vLLM's servers or colocated
-engine (`VLLMConfig`)."""
+engine (`VLLMConfig`); and a model server that llmrl starts for a model it asks, such as a served
+distillation teacher (`ServeConfig`)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,30 @@ class VLLMConfig(Section):
         """`max_loras`, or when it is unset the adapter versions a run generating `generation_lag` steps
         ahead needs at once: those requests may still run on (lag + 1), and the one being loaded."""
         return self.max_loras if self.max_loras is not None else generation_lag + 2
+
+
+class ServeConfig(Section):
+    """A model server that llmrl starts at the start of the run and stops at its end
+    (`llmrl.inference.managed_server`): llmrl's (`llmrl serve-inference`) or vLLM's, on a free port of
+    127.0.0.1, logging into the run folder."""
+
+    model: str
+    """The model served: anything `model.spec` takes (`tiny://NAME`, a local folder, a hub id), or with
+    `engine: llmrl` also a run or checkpoint folder of an earlier llmrl run (vLLM loads model folders: a
+    checkpoint's is its `model` folder)."""
+    engine: Literal["llmrl", "vllm"] = "llmrl"
+    """`llmrl`: `llmrl serve-inference` with this interpreter; `vllm`: vLLM's OpenAI-compatible server, with
+    the Python that managed vLLM servers use (`inference.vllm.python`'s search order, without that field)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the server loads and runs the model in (its `--dtype`)."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """Longest the server may take to answer its health route after it starts; then the run stops."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More command-line arguments for the server, passed through as they are (vLLM:
+    `--gpu-memory-utilization 0.3`, `--max-model-len 4096`, ...)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """More environment variables for the server, e.g. `CUDA_VISIBLE_DEVICES` to keep it off the trainer's
+    GPUs."""
 
 
 DEFAULT_ENGINE_TOKENS = 8192

@@ -12,14 +12,20 @@ as one more outcome, here ``log(1 - sum of the top k's probabilities)``, in floa
 Temperature: vLLM's prompt logprobs skip the sampling processors, so they are at temperature 1 whatever
 the request says; llmrl's server scores at the request's temperature and says so
 (``prompt_logprobs_temperature``). Rollouts sampled at another temperature need llmrl's server.
+
+Tokenizer: the scores are of the policy's token ids, so the teacher must have the policy's tokenizer.
+`ServedTeacher.tokenizer_check` asks the server's ``POST /tokenize`` (vLLM's and llmrl's) for the ids of a
+probe text, which holds the policy's special tokens (often the last ids of a vocabulary), and compares
+them with the policy's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import torch
@@ -30,10 +36,28 @@ from llmrl.http_client import RequestRefused, RetryPolicy, ServerUnavailable, se
 from llmrl.inference.interface import InferenceUnavailableError, run_blocking
 from llmrl.inference.openai import api_key_from_env, normalise_base_url
 
+log = logging.getLogger(__name__)
+
 TeacherOutputs = tuple[torch.Tensor, ...]
 """One sequence's scores, laid out as the in-process teacher's: its tokens' logprobs ``[T]``, and with a
 top k its grouped top-k logprobs ``[T, k + 1]`` (the last: the rest of the vocabulary) and their ids
 ``[T, k]``; zero off the loss mask."""
+
+
+TOKENIZER_PROBE = (
+    "Tokenizer check: 12 + 345 = 357; x_1=-0.5e3, {'key': [True, None]}\n\tIndented   spaces.\r\n"
+    "Ünïcödé naïve café, Ελληνικά, русский, 中文, 日本語, 한국어, عربى, emoji 🙂👍🏽."
+)
+"""Text whose tokens the teacher server and the policy must agree on: words, digits, code, whitespace and
+scripts that a tokenizer of another family splits otherwise."""
+
+
+class TokenizerCheck(NamedTuple):
+    """What `ServedTeacher.tokenizer_check` found: `mismatch` (how the tokenizers differ, in words) or
+    `unchecked` (why the server could not tell), or neither when they agree."""
+
+    mismatch: str | None = None
+    unchecked: str | None = None
 
 
 class TeacherServerError(UserError):
@@ -69,6 +93,9 @@ class ServedTeacher:
 
     @classmethod
     def from_config(cls, config: TeacherServerConfig) -> ServedTeacher:
+        """The client of `config.url`; a `serve` server is started first, and its url put there (the trainer)."""
+        if config.url is None:
+            raise ValueError("distillation.teacher_server: a `serve` server is asked at its url once started")
         return cls(
             config.url,
             model=config.model,
@@ -77,6 +104,41 @@ class ServedTeacher:
             timeout_s=config.request_timeout_s,
             max_retries=config.max_retries,
         )
+
+    def tokenizer_check(self, tokenizer: Any) -> TokenizerCheck:
+        """Whether the server tokenizes `TOKENIZER_PROBE` and `tokenizer`'s special tokens into the ids
+        `tokenizer` (the policy's) does; a server without ``POST /tokenize`` leaves it `unchecked`."""
+        probe = TOKENIZER_PROBE + "".join(tokenizer.all_special_tokens)
+        return run_blocking(self._tokenizer_check(probe, tokenizer))
+
+    async def _tokenizer_check(self, probe: str, tokenizer: Any) -> TokenizerCheck:
+        # vLLM's /tokenize sits beside the API root, not under /v1; it takes the model it serves.
+        body = {"prompt": probe, "add_special_tokens": False, "return_token_strs": True}
+        async with httpx.AsyncClient(
+            base_url=self.base_url.removesuffix("/v1"), headers=self._headers, transport=self._transport
+        ) as client:
+            answer = await self._call(client, "POST", "/tokenize", json=body, missing_route_ok=True)
+        if answer is None:
+            return TokenizerCheck(unchecked=f"{self.base_url.removesuffix('/v1')}/tokenize is not found")
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise self._malformed("tokens", "is not a list of token ids")
+        pieces = answer.get("token_strs")
+        theirs = pieces if isinstance(pieces, list) and len(pieces) == len(tokens) else None
+        ours = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        for t, (teacher, policy) in enumerate(zip(tokens, ours, strict=False)):
+            if teacher != policy:
+                teacher_piece = f" {theirs[t]!r}" if theirs is not None else ""
+                policy_piece = repr(tokenizer.convert_ids_to_tokens(policy))
+                return TokenizerCheck(
+                    mismatch=f"token {t} of a probe text is {teacher}{teacher_piece} in the teacher, "
+                    f"{policy} {policy_piece} in the policy"
+                )
+        if len(tokens) != len(ours):
+            return TokenizerCheck(
+                mismatch=f"a probe text is {len(tokens)} tokens in the teacher, {len(ours)} in the policy"
+            )
+        return TokenizerCheck()
 
     def score(
         self,
@@ -138,7 +200,10 @@ class ServedTeacher:
                 f"distillation.teacher_server.model: {self.base_url}/models lists no model; name one"
             ) from None
 
-    async def _call(self, client: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> Any:
+    async def _call(
+        self, client: httpx.AsyncClient, method: str, path: str, missing_route_ok: bool = False, **kwargs: Any
+    ) -> Any:
+        """The JSON answer; with `missing_route_ok`, None where the server has no such route (404, 405)."""
         try:
             response = await send(client, method, path, self.policy, **kwargs)
         except ServerUnavailable as exc:
@@ -147,6 +212,8 @@ class ServedTeacher:
                 "this step was trained on; rerun the same command to resume"
             ) from None
         except RequestRefused as exc:
+            if missing_route_ok and exc.status in (404, 405):
+                return None
             raise TeacherServerError(
                 f"distillation.teacher_server: {self.base_url}{path} refused the request: {exc.failure}"
             ) from None
@@ -225,4 +292,23 @@ class ServedTeacher:
     def _malformed(self, field: str, problem: str) -> TeacherServerError:
         return TeacherServerError(
             f"{field}: the teacher server at {self.base_url} answered with one that {problem}"
+        )
+
+
+def check_served_tokenizer(server: ServedTeacher, tokenizer: Any, *, teacher: str, policy: str) -> None:
+    """Refuse (`TeacherServerError`) a teacher server whose tokenizer is not `tokenizer`, the policy's;
+    warn when the server cannot tell. `teacher` and `policy` name the two models in the message."""
+    check = server.tokenizer_check(tokenizer)
+    if check.mismatch is not None:
+        raise TeacherServerError(
+            f"distillation.teacher_server: the tokenizer of the teacher {teacher} is not that of model.spec "
+            f"{policy} ({check.mismatch}); a teacher must score the very tokens the policy samples"
+        )
+    if check.unchecked is not None:
+        log.warning(
+            "distillation.teacher_server: the tokenizer of the teacher %s could not be checked against that "
+            "of model.spec %s (%s); it must be the same",
+            teacher,
+            policy,
+            check.unchecked,
         )

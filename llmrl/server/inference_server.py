@@ -10,7 +10,8 @@ needs more than text, so every response also carries the llmrl extensions: the w
 ``chat_template_kwargs``, and ``prompt_token_ids`` (continue after these exact ids: multi-turn
 rollouts never re-tokenise earlier turns). A completions prompt may be token ids, and vLLM's
 ``prompt_logprobs: k`` scores the prompt token by token (a served distillation teacher), at the request's
-temperature, stated in ``prompt_logprobs_temperature``.
+temperature, stated in ``prompt_logprobs_temperature``. ``POST /tokenize`` answers as vLLM's does, so that
+a client can check that the server's tokenizer is its own.
 
 Concurrent requests share the engine's continuous batch: the engine steps it as a task on the
 server's event loop. ``POST /v1/weights`` loads new weights, versioned, between two decode steps
@@ -33,12 +34,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 from safetensors import SafetensorError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmrl.errors import UserError
 from llmrl.inference.engine import LocalEngine, WeightUpdateMode
+from llmrl.inference.kv_cache import max_positions
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
 from llmrl.types import (
     MAX_POLICY_VERSION,
@@ -73,6 +75,17 @@ class RequestRefused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``POST /tokenize`` of a text (its chat form aside); other fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class _InferenceServer:
@@ -290,6 +303,16 @@ class _InferenceServer:
     def health(self) -> dict:
         return {"status": "ok", "policy_version": self.engine.policy_version}
 
+    def tokenize(self, body: TokenizeBody) -> dict:
+        tokenizer = self.engine.tokenizer
+        tokens = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {
+            "count": len(tokens),
+            "max_model_len": max_positions(self.engine.model.config),
+            "tokens": tokens,
+            "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None,
+        }
+
 
 def _refuse_unsupported(body: GenerationFields) -> None:
     extra = body.model_extra or {}
@@ -410,6 +433,10 @@ def create_inference_app(
     @app.get("/healthz")
     async def health() -> dict:
         return server.health()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict:
+        return server.tokenize(body)
 
     @weights_app.post(WEIGHTS_PATH)
     async def update_weights(request: Request) -> JSONResponse:

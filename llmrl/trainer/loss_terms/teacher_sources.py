@@ -43,18 +43,23 @@ class LoadedTeacher:
 
 
 class ServedTeacherScores:
-    """A teacher behind a server: each rank asks for its share of the trained rollouts, and every rank gets
+    """A teacher behind a server: each rank asks for its share of the trained rollouts, or with
+    `main_asks_all` rank 0 for all of them (a server it started, on its own loopback), and every rank gets
     all of them, as from the passes."""
 
-    def __init__(self, passes: ForwardPasses, server: ServedTeacher):
+    def __init__(self, passes: ForwardPasses, server: ServedTeacher, *, main_asks_all: bool = False):
         self.passes = passes
         self.server = server
+        self.main_asks_all = main_asks_all
 
     def outputs(self, step: Step, top_k: int | None) -> list[TeacherOutputs | None]:
         distributed = self.passes.distributed
-        mine = (
-            step.trained if distributed is None else step.trained[distributed.rank :: distributed.world_size]
-        )
+        if distributed is None:
+            mine = step.trained
+        elif self.main_asks_all:
+            mine = step.trained if distributed.rank == 0 else []
+        else:
+            mine = step.trained[distributed.rank :: distributed.world_size]
         for i in mine:
             filters = step.sampling_args[i].filters
             if filters:
