@@ -148,6 +148,10 @@ class InferenceConfig(Section):
     the KV cache of their tokens so far (each token records its version). In flight needs the embedded engine
     or llmrl's server (`llmrl serve-inference --weight-update in_flight`); vLLM runs it as `wait`, with a
     notice (docs/training.md)."""
+    record_routes: bool = False
+    """The embedded engine returns, with each completion, the experts a mixture-of-experts model's routers
+    chose for every token it read (`InferenceResponse.routed_experts`). A run sets it from
+    `training.router_replay`."""
     weight_sync_bucket_mb: int = Field(512, ge=1)
     """Most megabytes of weights moved as one bucket (a decoder layer larger than that is one bucket): under
     torchrun, gathered at once from the shards for rank 0's inference side (and for a checkpoint), each handed

@@ -72,6 +72,11 @@ class RunConfig(Section):
             )
         self._check_colocation()
         self._check_partial_rollouts()
+        if training.router_replay and self.inference.type != "local":
+            raise ValueError(
+                f"training.router_replay: inference.type {self.inference.type!r} does not return the experts it "
+                "routed each token through; the embedded engine (inference.type: local) does"
+            )
         if (
             self.model.lora is not None
             and self.inference.type == "vllm"
@@ -148,12 +153,15 @@ class RunConfig(Section):
 
     def inference_for_run(self) -> InferenceConfig:
         """The inference section as this run builds it, with what depends on other sections resolved:
-        a LoRA run's vLLM adapter slots (`VLLMConfig.resolved_max_loras`) follow the generation lag."""
-        if self.model.lora is None or self.inference.type != "vllm":
-            return self.inference
-        slots = self.inference.vllm.resolved_max_loras(self.training.generation_lag)
-        vllm = self.inference.vllm.model_copy(update={"max_loras": slots})
-        return self.inference.model_copy(update={"vllm": vllm})
+        a LoRA run's vLLM adapter slots (`VLLMConfig.resolved_max_loras`) follow the generation lag, and
+        router replay has the engine record routes."""
+        inference = self.inference
+        if self.training.router_replay:
+            inference = inference.model_copy(update={"record_routes": True})
+        if self.model.lora is None or inference.type != "vllm":
+            return inference
+        slots = inference.vllm.resolved_max_loras(self.training.generation_lag)
+        return inference.model_copy(update={"vllm": inference.vllm.model_copy(update={"max_loras": slots})})
 
     def _check_trainable_sampling(self, index: int, env: EnvironmentConfig) -> None:
         """A trained environment's sampling options must be ones the trainer's logprobs can follow."""

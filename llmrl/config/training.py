@@ -76,7 +76,7 @@ class TrainingConfig(Section):
     """Mixture-of-experts models: `true` runs the trainer's forwards through the experts the embedded
     engine chose for each token (Rollout Routing Replay, docs/models.md), the gating weights still from
     the live router; `observe` records the engine's choices and only logs how often the trainer's
-    routers part from them (`routing/differs_*`); `false` neither. Refused for a model without MoE
+    routers part from them (`train/routing/differs_*`); `false` neither. Refused for a model without MoE
     layers and for inference that cannot record routes."""
     deterministic: bool = True
     """Use deterministic kernels so that the same config gives the same numbers."""

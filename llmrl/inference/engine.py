@@ -236,6 +236,7 @@ class LocalEngine(InferenceInterface):
             weight_update=config.weight_update,
             seed=seed,
             owns_model=True,
+            record_routes=config.record_routes,
         )
 
     @property

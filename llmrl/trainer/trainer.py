@@ -50,7 +50,7 @@ import transformers
 
 from llmrl.agents import PromptRoom, WeightedMultiTask, build_agents
 from llmrl.config import ConfigError, InferenceConfig, RunConfig
-from llmrl.errors import UserError
+from llmrl.errors import ModelSpecError, UserError
 from llmrl.files import os_error_behind
 from llmrl.inference import InferenceInterface, build_inference
 from llmrl.inference.interface import InferenceUnavailableError
@@ -58,6 +58,7 @@ from llmrl.inference.kv_cache import max_positions
 from llmrl.inference.managed_server import ManagedModelServer, start_model_server
 from llmrl.inference.prompts import overlong_prompts
 from llmrl.inference.served_teacher import check_served_tokenizer
+from llmrl.models.routing import moe_routers
 from llmrl.processes import ServerStartError
 from llmrl.registry import import_plugins
 from llmrl.rollouts import RolloutSource, prepare_batch, rollout_metrics, rollout_source, staleness_metrics
@@ -205,6 +206,17 @@ class Trainer:
         if refusal is not None:
             raise refusal
 
+    def _check_router_replay(self, config: RunConfig) -> None:
+        """Router replay needs an MoE policy whose gating it can replay, in one process."""
+        if not config.training.router_replay:
+            return
+        if self.distributed is not None:
+            raise ConfigError("training.router_replay: runs in one process so far, not under torchrun")
+        try:
+            moe_routers(self.policy)
+        except ModelSpecError as exc:
+            raise ConfigError(f"training.router_replay: {config.model.spec}: {exc}") from None
+
     def _stop_teacher_server(self) -> None:
         if self.teacher_server is not None:
             self.teacher_server.close()
@@ -246,6 +258,7 @@ class Trainer:
         )
         self._check_teacher_tokenizer(config)
         self.policy = self.models.policy
+        self._check_router_replay(config)
         self.optimizer, self.scheduler = build_optimizer(self.policy, config.training)
         generation = config.inference.generation
         self.generation_args = (

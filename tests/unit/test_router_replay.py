@@ -12,11 +12,12 @@ import torch
 import transformers
 from test_model_families import build_config, word_tokenizer
 
-from llmrl.config import TrainingConfig
+from llmrl.config import ConfigError, TrainingConfig, config_from_dict
 from llmrl.errors import ModelSpecError
 from llmrl.inference.engine import LocalEngine
 from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.models.routing import RouteRecorder, RouteReplay, moe_routers, routes_for, routes_from_wire
+from llmrl.trainer import Trainer
 from llmrl.trainer.passes import ForwardPasses
 from llmrl.types import GenerationArgs, InferenceRequest
 
@@ -265,3 +266,30 @@ def test_replay_brings_the_trainers_logprobs_back_to_the_engines(family):
         )
         assert passes.route_metrics()["routing/differs_any_layer"] > 0  # the same either way
     assert gaps[True] < 0.75 * gaps["observe"], gaps  # measured: about half
+
+
+def test_a_run_config_asks_the_engine_for_routes_and_refuses_other_inference():
+    base = {
+        "model": {"spec": "tiny://arithmetic-moe"},
+        "environments": [{"agent_type": "arithmetic"}],
+        "training": {"router_replay": True},
+    }
+    assert config_from_dict(base).inference_for_run().record_routes
+    assert not config_from_dict({**base, "training": {}}).inference_for_run().record_routes
+    with pytest.raises(ConfigError, match="training.router_replay: inference.type 'vllm' does not return"):
+        config_from_dict({**base, "inference": {"type": "vllm"}})
+
+
+def test_router_replay_on_a_dense_model_is_refused_at_the_start(tmp_path):
+    config = config_from_dict(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "model": {"spec": "tiny://arithmetic"},
+            "environments": [{"agent_type": "arithmetic"}],
+            "training": {"router_replay": "observe"},
+        }
+    )
+    with pytest.raises(
+        ConfigError, match="training.router_replay: tiny://arithmetic: Qwen2ForCausalLM has no mixture"
+    ):
+        Trainer(config)
