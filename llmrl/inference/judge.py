@@ -10,9 +10,11 @@ judge's answer (its reasoning between ``<think>`` tags left out) becomes a numbe
   from `score_range` onto [0, 1] when one is given (a number outside it fails);
 * ``module:function`` of a plug-in: ``function(answer_text) -> float | None``; None: not scored.
 
-The judge is a model behind an OpenAI-compatible chat endpoint (`url`), a server llmrl starts for the
-run (`serve`), or, with neither, the policy's own inference interface (as NeMo-RL's default judge is):
-the same engine or server that samples the rollouts, at the weights it holds when asked.
+The judge is a model behind an OpenAI-compatible chat endpoint (`url`), a server llmrl starts when the
+environment is built and stops when the process ends (`serve`: `llmrl serve-inference` or vLLM, its log
+in a ``llmrl-judge-*`` temporary folder), or, with neither, the policy's own inference interface (as
+NeMo-RL's default judge is): the same engine or server that samples the rollouts, at the weights it
+holds when asked.
 
 Requests run `max_concurrent` at a time per judge, each under `timeout_s`; a request to a URL or a
 started server that gets no answer, a 5xx or a 429 is tried again up to `max_retries` times (the
@@ -30,15 +32,18 @@ import collections
 import math
 import re
 import string
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmrl.config import ConfigError
+from llmrl.config import ConfigError, ServeConfig
 from llmrl.errors import UserCodeFailure, code_location
 from llmrl.http_client import HTTPRequestError, RetryPolicy, send
+from llmrl.inference.managed_server import ManagedModelServer, start_model_server
 from llmrl.inference.openai import api_key_from_env, normalise_base_url
 from llmrl.registry import RegistryError, resolve_function
 from llmrl.rewards.functions import Caller, PolicyInference, RewardFunction, Sample, Score, finite_number
@@ -79,6 +84,8 @@ class JudgeSettings(BaseModel):
     """The model name sent to `url`; None: the first the server lists."""
     api_key_env: str | None = None
     """The environment variable holding `url`'s bearer token."""
+    serve: ServeConfig | None = None
+    """A server llmrl starts for the judge instead (`llmrl serve-inference` or vLLM, of `serve.model`)."""
     template: str = DEFAULT_TEMPLATE
     """The user message: ``str.format`` fields ``{question}``, ``{completion}``, ``{answer}`` and the
     data row's columns."""
@@ -127,6 +134,8 @@ class JudgeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> JudgeSettings:
+        if self.url is not None and self.serve is not None:
+            raise ValueError("give url (a server you run) or serve (one llmrl starts), not both")
         if (self.model is not None or self.api_key_env is not None) and self.url is None:
             raise ValueError("model and api_key_env belong to url")
         low, high = self.score_range or (0.0, 1.0)
@@ -160,10 +169,13 @@ class Judge:
         *,
         base_url: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        server: ManagedModelServer | None = None,
     ):
         """`where`: the config path errors start with; `base_url`: the judge's server (None: the policy's
-        inference); `transport`: httpx's (tests pass an ASGI app's)."""
+        inference); `transport`: httpx's (tests pass an ASGI app's); `server`: the one llmrl started at
+        `base_url`, which lives as long as the judge."""
         self.settings = settings
+        self.server = server
         self.where = where
         self.base_url = normalise_base_url(base_url) if base_url is not None else None
         self.parse = self._parser()
@@ -453,8 +465,18 @@ def judge_reward_function(
         settings = JudgeSettings.model_validate(raw)
     except ValidationError as exc:
         raise ValueError(validation_problems(exc.errors(), f"{where}.judge.")) from None
+    server = None
+    if settings.serve is not None:
+        log_path = Path(tempfile.mkdtemp(prefix="llmrl-judge-")) / "server.log"
+        server = start_model_server(settings.serve, log_path=log_path, seed=0, field=f"{where}.judge.serve")
     try:
-        judge = Judge(settings, where, base_url=settings.url, transport=transport)
+        judge = Judge(
+            settings,
+            where,
+            base_url=settings.url or (server and server.base_url),
+            transport=transport,
+            server=server,
+        )
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     return JudgeReward.named(judge, {"name": "judge", **entry}, where, style="trl", batch="group")

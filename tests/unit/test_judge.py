@@ -246,6 +246,27 @@ def test_llmrls_server_and_engine_judge_as_their_own_answers_say(tiny_model):
     assert asyncio.run(policy.grade(sample, engine)) == (number, {})
 
 
+def test_a_judge_llmrl_serves_grades_as_that_models_answers_say(tiny_model):
+    model, tokenizer = tiny_model
+    entry = {"judge": {"serve": {"model": "tiny://arithmetic"}, **arithmetic_judge_settings()}}
+    reward = judge_reward_function(entry, "reward_functions[0]")
+    try:
+        assert reward.judge.base_url == reward.judge.server.base_url
+        sample = Sample(
+            prompt=[{"role": "user", "content": "What is 12 + 30?"}], completion=" ", completion_ids=[]
+        )
+        request = InferenceRequest(
+            prompt=[ChatMessage(role="user", content="What is 12 + 30? ")],
+            generation_args=GenerationArgs(temperature=0.0, max_tokens=6),
+        )
+        (answer,) = LocalEngine(model, tokenizer).generate(request)
+        number = float(re.findall(r"[-+]?\d+(?:\.\d+)?", answer.text)[-1])
+        assert asyncio.run(reward.judge.grade(sample, None)) == (number, {})
+    finally:
+        reward.judge.server.close()
+    assert not reward.judge.server.alive()
+
+
 @pytest.mark.parametrize(
     ("judge", "message"),
     [
@@ -253,6 +274,10 @@ def test_llmrls_server_and_engine_judge_as_their_own_answers_say(tiny_model):
         ({"template": "Grade {question}"}, "never shows the judge the completion; put {completion} in it"),
         ({"template": "{completion"}, "no str.format template"),
         ({"model": "gpt"}, "model and api_key_env belong to url"),
+        (
+            {"url": "http://judge", "serve": {"model": "tiny://arithmetic"}},
+            "give url (a server you run) or serve",
+        ),
         ({"parser": "score", "score_range": [5, 1]}, "low < high"),
         ({"score_pattern": "("}, "not a regular expression"),
         ({"verdicts": {"yes": 1, "YES": 0}}, "distinct words"),
