@@ -48,7 +48,7 @@ from llmrl.agents.base import Problem, make_prompt
 from llmrl.agents.reward_only import RewardOnlyAgent
 from llmrl.config import describe_python_object
 from llmrl.inference.interface import InferenceInterface
-from llmrl.inference.judge import judge_reward_function
+from llmrl.inference.judge import JudgeReward, judge_reward_function
 from llmrl.models.reward_model import reward_model_function
 from llmrl.rewards.answers import extract_answer, normalize_answer
 from llmrl.rewards.functions import Reward, RewardFunction, Sample, combine, combine_group
@@ -418,6 +418,17 @@ class DatasetAgent(RowProblems, RewardOnlyAgent):
         marked = extract_answer(response.text)
         answer = marked[0] if marked else response.text
         return float(normalize_answer(answer) == normalize_answer(str(problem.answer)))
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The failure counters, and each LLM judge's requests and cache hits (``<name>/requests``,
+        ``<name>/cache_hits``)."""
+        metrics = super().pop_metrics()
+        for function in self.reward_functions:
+            if isinstance(function, JudgeReward):
+                metrics |= {
+                    f"{function.name}/{key}": value for key, value in function.judge.pop_counts().items()
+                }
+        return metrics
 
     def sample(self, response: InferenceResponse, problem: Problem) -> Sample:
         """What reward functions see of `response` to `problem`."""

@@ -189,7 +189,15 @@ class Judge:
         }
         self._retry = RetryPolicy(settings.timeout_s, retries=settings.max_retries)
         self._grades: collections.OrderedDict[tuple[str, str], Score] = collections.OrderedDict()
+        self.counts: collections.Counter[str] = collections.Counter()
+        """Requests sent (`requests`) and grades given without one (`cache_hits`: cached, or asked by
+        another caller at the same time), since `pop_counts`."""
         self._per_loop: dict[asyncio.AbstractEventLoop, _LoopState] = {}
+
+    def pop_counts(self) -> dict[str, float]:
+        counts = {key: float(count) for key, count in self.counts.items()}
+        self.counts.clear()
+        return counts
 
     @property
     def endpoint(self) -> str:
@@ -250,9 +258,11 @@ class Judge:
         key = (messages[0].content if len(messages) == 2 else "", messages[-1].content)
         if key in self._grades:
             self._grades.move_to_end(key)
+            self.counts["cache_hits"] += 1
             return self._grades[key]
         state = self._state()
         pending = state.pending.get(key)
+        self.counts["cache_hits" if pending is not None else "requests"] += 1
         if pending is None:
             pending = state.pending[key] = asyncio.ensure_future(self._ask_and_parse(messages, policy, state))
             pending.add_done_callback(lambda _: state.pending.pop(key, None))

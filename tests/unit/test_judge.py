@@ -96,6 +96,7 @@ def test_the_cache_asks_once_per_prompt_and_completion(data_file):
     first = draw(scoring, 1, 4)
     asked = len(server.bodies)
     assert asked == 2  # samples 0 and 2 (and 1 and 3) are the same completion of the same prompt
+    assert scoring.pop_metrics() == {"judge/requests": 2.0, "judge/cache_hits": 2.0}
     judge = scoring.reward_functions[0].judge
     sample = Sample(prompt=first[0].rollouts[0].text[0], completion="9", completion_ids=[], ground_truth="9")
     asyncio.run(judge.grade(sample, None))
