@@ -31,6 +31,8 @@ _BUILTIN_AGENTS: dict[str, str] = {
     "dataset": "llmrl.agents.dataset:DatasetAgent",
     "remote": "llmrl.agents.remote:RemoteAgent",
     "openai_agent": "llmrl.agents.openai_agent:OpenAIAgent",
+    "openenv": "llmrl.envs.openenv_env:OpenEnvAgent",
+    "verifiers": "llmrl.envs.verifiers_env:VerifiersAgent",
 }
 
 _BUILTIN_INFERENCE: dict[str, str] = {

