@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -172,16 +173,41 @@ class RouteReplay:
 
         return replayed
 
+    def pop_counts(self) -> RouteCounts:
+        """What was counted since the last call."""
+        counts = RouteCounts(self.tokens, self.differing_any, [int(n) for n in self.differing])
+        self.tokens, self.differing_any = 0, 0
+        self.differing.zero_()
+        return counts
+
     def pop_metrics(self) -> dict[str, float]:
-        """The share of recorded tokens whose live routing differed, any layer and each, since the last
-        call (nothing when no routed token was seen)."""
+        return self.pop_counts().shares()
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteCounts:
+    """Recorded tokens seen, those whose live top k differed in any MoE layer, and in each."""
+
+    tokens: int
+    differing_any: int
+    differing: list[int]
+
+    @staticmethod
+    def summed(counts: list[RouteCounts]) -> RouteCounts:
+        """Every process's counts together (`Distributed.all_gather_object`'s list)."""
+        return RouteCounts(
+            sum(c.tokens for c in counts),
+            sum(c.differing_any for c in counts),
+            [sum(layer) for layer in zip(*(c.differing for c in counts), strict=True)],
+        )
+
+    def shares(self) -> dict[str, float]:
+        """The shares of the recorded tokens whose live routing differed, any layer and each (nothing when
+        no recorded token was seen)."""
         if not self.tokens:
             return {}
         metrics = {"routing/differs_any_layer": self.differing_any / self.tokens}
-        metrics |= {f"routing/differs_layer_{i}": int(n) / self.tokens for i, n in enumerate(self.differing)}
-        self.tokens, self.differing_any = 0, 0
-        self.differing.zero_()
-        return metrics
+        return metrics | {f"routing/differs_layer_{i}": n / self.tokens for i, n in enumerate(self.differing)}
 
 
 def routes_to_wire(routes: torch.Tensor) -> RoutedExperts:

@@ -29,7 +29,7 @@ from llmrl.algorithms.packing import (
     unpack,
 )
 from llmrl.config import ConfigError, TrainingConfig
-from llmrl.models.routing import ROUTE_DTYPE, RouteReplay, has_moe_routers, routes_for
+from llmrl.models.routing import ROUTE_DTYPE, RouteCounts, RouteReplay, has_moe_routers, routes_for
 from llmrl.models.shape import ModelShape
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.types import GenerationArgs, RoutedExperts
@@ -108,8 +108,9 @@ class ForwardPasses:
         """Forwards (and backwards: a recomputed forward routes as the first did) of `packed` by `model`
         inside the block, with the step's recorded routes (`follow_routes`)."""
         if id(model) not in self._route_replays:
+            module = model.model if isinstance(model, ShardedCausalLM) else model
             self._route_replays[id(model)] = (
-                RouteReplay(model) if self.routes is not None and has_moe_routers(model) else None
+                RouteReplay(module) if self.routes is not None and has_moe_routers(module) else None
             )
         replay = self._route_replays[id(model)]
         if self.routes is None or replay is None:  # not asked, or a dense model beside an MoE policy
@@ -121,9 +122,15 @@ class ForwardPasses:
             yield
 
     def route_metrics(self) -> dict[str, float]:
-        """How often the policy's live routers chose other experts than those recorded, since the last call."""
+        """How often the policy's live routers chose other experts than those recorded, since the last
+        call, over every rank's tokens (a collective when routes are followed)."""
+        if self.routes is None:
+            return {}
         replay = self._route_replays.get(id(self.policy))
-        return {} if replay is None else replay.pop_metrics()
+        counts = replay.pop_counts() if replay is not None else RouteCounts(0, 0, [])
+        if self.distributed is not None:
+            counts = RouteCounts.summed([c for c in self.distributed.all_gather_object(counts) if c.tokens])
+        return counts.shares()
 
     def over_ranks(self, value: Shared, combine: Callable[[list[Shared]], Shared]) -> Shared:
         """The `combine` of every rank's `value`, in rank order; on one process `value` itself."""

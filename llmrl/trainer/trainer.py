@@ -207,11 +207,9 @@ class Trainer:
             raise refusal
 
     def _check_router_replay(self, config: RunConfig) -> None:
-        """Router replay needs an MoE policy whose gating it can replay, in one process."""
+        """Router replay needs an MoE policy whose gating it can replay."""
         if not config.training.router_replay:
             return
-        if self.distributed is not None:
-            raise ConfigError("training.router_replay: runs in one process so far, not under torchrun")
         try:
             moe_routers(self.policy)
         except ModelSpecError as exc:

@@ -11,14 +11,20 @@ import pytest
 from llmrl.config import load_config
 from llmrl.telemetry import read_metrics
 from llmrl.trainer import Trainer
+from tests.integration.test_distributed import assert_close_weights, weights
+from tests.integration.test_distributed import train as train_in_processes
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_moe.yaml"
 
 
-@pytest.mark.parametrize("replay", [True, "observe"])
-def test_the_moe_example_trains_and_logs_routing_disagreement(tmp_path, monkeypatch, replay):
+@pytest.mark.parametrize(
+    ("replay", "extra"),
+    [(True, []), ("observe", []), (True, ["model.lora={rank: 8}"])],
+    ids=["replay", "observe", "lora"],
+)
+def test_the_moe_example_trains_and_logs_routing_disagreement(tmp_path, monkeypatch, replay, extra):
     monkeypatch.setenv("LLMRL_CACHE", str(tmp_path / "cache"))
     config = load_config(
         EXAMPLE,
@@ -31,6 +37,7 @@ def test_the_moe_example_trains_and_logs_routing_disagreement(tmp_path, monkeypa
             "evaluation.at_end=false",
             "checkpoint.every=0",
             "logging.progress=off",
+            *extra,
         ],
     )
     Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
@@ -41,3 +48,20 @@ def test_the_moe_example_trains_and_logs_routing_disagreement(tmp_path, monkeypa
         assert row["train/routing/differs_any_layer"] >= max(
             row[f"train/routing/differs_layer_{i}"] for i in range(4)
         )
+
+
+def test_router_replay_over_two_processes_trains_like_one(tmp_path, monkeypatch):
+    """FSDP2: each rank lays out its share's routes; the counts are summed over the ranks."""
+    monkeypatch.setenv("LLMRL_CACHE", str(tmp_path / "cache"))
+    moe = ("model.spec=tiny://arithmetic-moe", "training.router_replay=true")
+    runs = {processes: tmp_path / f"processes_{processes}" for processes in (1, 2)}
+    for processes, folder in runs.items():
+        folder.mkdir()
+        train_in_processes(folder / "run", processes, *moe)
+    one, two = (read_metrics(folder / "run" / "metrics.jsonl") for folder in runs.values())
+    assert [r["train/loss"] for r in two] == pytest.approx([r["train/loss"] for r in one], rel=1e-5, abs=1e-7)
+    for row_one, row_two in zip(one, two, strict=True):
+        assert row_two["train/routing/differs_any_layer"] == pytest.approx(
+            row_one["train/routing/differs_any_layer"]
+        )
+    assert_close_weights(weights(runs[2] / "run"), weights(runs[1] / "run"))
