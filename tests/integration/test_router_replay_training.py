@@ -43,8 +43,11 @@ def test_the_moe_example_trains_and_logs_routing_disagreement(tmp_path, monkeypa
     Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert len(rows) == 3
+    shares = [row["train/routing/differs_any_layer"] for row in rows]
+    assert all(0 <= share < 0.5 for share in shares)
+    if not extra:  # bfloat16 compute flips some routes; a LoRA run's frozen bfloat16 base may flip none
+        assert max(shares) > 0
     for row in rows:
-        assert 0 < row["train/routing/differs_any_layer"] < 0.5  # bfloat16 flips some routes, not most
         assert row["train/routing/differs_any_layer"] >= max(
             row[f"train/routing/differs_layer_{i}"] for i in range(4)
         )
