@@ -26,13 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from llmrl.processes import free_port
+from llmrl.config import ServeConfig
+from llmrl.inference.managed_server import start_model_server
 from llmrl.telemetry import read_metrics
 from llmrl.trainer import checkpoint as ckpt
 
@@ -73,24 +71,11 @@ def teacher_folder(teacher: Path, scratch: Path) -> Path:
 @contextlib.contextmanager
 def teacher_server(teacher: Path, log: Path) -> Iterator[str]:
     """`llmrl serve-inference --model teacher` until the block ends; yields its API root."""
-    port = free_port()
-    with open(log, "w") as output:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "llmrl", "serve-inference", "--model", str(teacher), "--port", str(port)],
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
+    server = start_model_server(ServeConfig(model=str(teacher)), log_path=log, seed=0)
     try:
-        while True:
-            assert server.poll() is None, f"the teacher server exited: {log.read_text()}"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield server.base_url
     finally:
-        server.terminate()
-        server.wait()
+        server.close()
 
 
 def compare(

@@ -24,21 +24,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import datasets
-import httpx
 import torch
 import uvicorn
 from fastapi import FastAPI
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from llmrl.agents.dataset import DatasetAgent
+from llmrl.config import ServeConfig
+from llmrl.inference.managed_server import start_model_server
 from llmrl.models import tiny_model_path
 from llmrl.processes import free_port
 from llmrl.quiet import quiet_libraries
@@ -124,30 +124,15 @@ def served_in_thread(app: FastAPI) -> Iterator[str]:
 
 @contextlib.contextmanager
 def served_tiny_model() -> Iterator[str]:
-    """``llmrl serve-inference --model tiny://arithmetic`` in a process of its own, until /healthz answers."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "llmrl",
-        "serve-inference",
-        "--model",
-        "tiny://arithmetic",
-        "--port",
-        str(port),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while True:
-            assert process.poll() is None, "llmrl serve-inference exited"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        process.wait()
+    """``llmrl serve-inference --model tiny://arithmetic`` in a process of its own; yields its API root."""
+    with tempfile.TemporaryDirectory() as folder:
+        server = start_model_server(
+            ServeConfig(model="tiny://arithmetic"), log_path=Path(folder) / "server.log", seed=0
+        )
+        try:
+            yield server.base_url
+        finally:
+            server.close()
 
 
 def judge_rates(rows: list[dict], args: argparse.Namespace) -> None:

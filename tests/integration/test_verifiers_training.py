@@ -3,15 +3,12 @@ embedded engine: its own rollouts and rubric, the sampled tokens trained, the ru
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from llmrl.config import config_from_dict
-from llmrl.telemetry import read_metrics
-from llmrl.trainer import Trainer
+from tests.integration.short_runs import short_run
 
 pytestmark = pytest.mark.slow
 
@@ -19,40 +16,21 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_the_tiny_model_trains_on_a_verifiers_environment(tmp_path, tiny_model_path):
-    config = config_from_dict(
-        {
-            "run_dir": str(tmp_path / "run"),
-            "plugins": [str(EXAMPLES / "verifiers_sums.py")],
-            "environments": [
-                {
-                    "agent_type": "verifiers",
-                    "env_id": "sums",
-                    "agent_args": {
-                        "environment": "verifiers_sums:load_environment",
-                        "environment_args": {"max_turns": 2},
-                        "max_calls": 2,
-                    },
-                }
-            ],
-            "inference": {"max_concurrent": 256},
-            "training": {"steps": 3, "prompts_per_step": 8, "group_size": 4, "lr": 3e-4},
-            "evaluation": {
-                "every": 0,
-                "at_start": False,
-                "num_prompts": 4,
-                "samples_per_prompt": 2,
-                "ks": [1],
-            },
-            "checkpoint": {"every": 0},
-            "logging": {"progress": "off", "tensorboard": False, "trace": False},
-        }
-    )
+    environment = {
+        "agent_type": "verifiers",
+        "env_id": "sums",
+        "agent_args": {
+            "environment": "verifiers_sums:load_environment",
+            "environment_args": {"max_turns": 2},
+            "max_calls": 2,
+        },
+    }
     try:
-        summary = Trainer(config, progress_stream=open(os.devnull, "w")).run()  # noqa: SIM115
+        summary, rows = short_run(
+            tmp_path, environment, plugins=[str(EXAMPLES / "verifiers_sums.py")], max_concurrent=256
+        )
     finally:
         sys.modules.pop("verifiers_sums", None)
-    rows = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/mismatch_kl" in m]
-    assert len(rows) == 3
     for row in rows:
         assert row["rollout/placeholder_frac"] == 0.0
         assert abs(row["train/mismatch_kl"]) < 1e-6  # the trained tokens are the sampled ones

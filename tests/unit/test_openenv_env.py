@@ -18,8 +18,6 @@ from llmrl.errors import UserError
 from llmrl.processes import free_port
 from llmrl.types import ChatMessage
 
-pytest.importorskip("openenv.core")
-
 # Counts down from 2 + seed % 3: each step's reward is 1 when the reply names the number shown, 0.25
 # otherwise; done at zero. A reply of "boom" makes the environment raise (the server answers an error).
 ENVIRONMENT = """
