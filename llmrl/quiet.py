@@ -1,14 +1,14 @@
 """What the `llmrl` commands leave out unless run with ``--verbose``: the warnings, log lines below
 ERROR and progress bars of the libraries llmrl runs on, every installed package but llmrl
 (transformers' "Loading weights" bars and warnings, datasets' "Generating train split" bars,
-math-verify's notes), which would bury the run's own lines.
+math-verify's notes, verifiers' aborted rollouts), which would bury the run's own lines.
 
 llmrl's own log lines and warnings stay, and so do those of the user's code outside installed
 packages (reward functions, agent programs, plug-in modules) and every error. The switches are the
-libraries' own where they have them. `datasets`, imported late because importing it takes about a
-second, reads its switches from the environment as it is imported, so those are set there, where the
-processes a command starts find them too (a managed vLLM server takes no datasets; its log file keeps
-what vLLM tells it).
+libraries' own where they have them. `datasets` (imported late: importing it takes about a second)
+and verifiers read their switches from the environment as they are imported, so those are set there,
+where the processes a command starts find them too (a managed vLLM server takes no datasets; its log
+file keeps what vLLM tells it).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def quiet_libraries() -> None:
     disable_progress_bars()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    os.environ.setdefault(
+        "VF_LOG_LEVEL", "ERROR"
+    )  # verifiers sets its loggers' level from it as it is imported
     libraries = sorted(_installed_libraries())
     for name in libraries:  # torch and vLLM set their own levels as they are imported, and keep them
         logging.getLogger(name).setLevel(logging.ERROR)
