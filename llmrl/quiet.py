@@ -33,9 +33,9 @@ def quiet_libraries() -> None:
     disable_progress_bars()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
-    os.environ.setdefault(
-        "VF_LOG_LEVEL", "ERROR"
-    )  # verifiers sets its loggers' level from it as it is imported
+    # verifiers sets its loggers' level from this as it is imported. It logs an empty reply as an error, once
+    # per rollout; llmrl counts and names an environment's real failures itself (agent_type verifiers).
+    os.environ.setdefault("VF_LOG_LEVEL", "CRITICAL")
     libraries = sorted(_installed_libraries())
     for name in libraries:  # torch and vLLM set their own levels as they are imported, and keep them
         logging.getLogger(name).setLevel(logging.ERROR)
