@@ -7,12 +7,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmrl.config import load_config
 from llmrl.telemetry import read_metrics
 from llmrl.trainer import Trainer
 from tests.integration.test_distributed import assert_close_weights, weights
 from tests.integration.test_distributed import train as train_in_processes
+from tests.integration.test_trainer import QUICK, final_weights, kill_after_checkpoint
+from tests.integration.test_trainer import llmrl as run_llmrl
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +71,32 @@ def test_router_replay_over_two_processes_trains_like_one(tmp_path, monkeypatch)
             row_one["train/routing/differs_any_layer"]
         )
     assert_close_weights(weights(runs[2] / "run"), weights(runs[1] / "run"))
+
+
+def test_a_killed_replay_run_resumes_with_the_banked_routes_and_ends_the_same(tmp_path, monkeypatch):
+    """With a generation lag the batches generated ahead are banked, routes and all, and trained after the
+    resume on the routes they were sampled with."""
+    monkeypatch.setenv("LLMRL_CACHE", str(tmp_path / "cache"))
+    settings = [
+        *QUICK,
+        "training.steps=4",
+        "training.generation_lag=1",
+        "checkpoint.every=1",
+        "evaluation.every=0",
+        "evaluation.at_end=false",
+    ]
+    argv = ["train", str(EXAMPLE), *[a for s in settings for a in ("--set", s)]]
+    whole = run_llmrl(*argv, "--set", f"run_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    killed = tmp_path / "killed"
+    kill_after_checkpoint(argv, killed, 2)
+    resumed = run_llmrl(*argv, "--set", f"run_dir={killed}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "generated before the interruption" in resumed.stdout
+    expected, actual = final_weights(tmp_path / "whole"), final_weights(killed)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    whole_rows, resumed_rows = (read_metrics(run / "metrics.jsonl") for run in (tmp_path / "whole", killed))
+    key = "train/routing/differs_any_layer"
+    assert [r.get(key) for r in resumed_rows] == [r.get(key) for r in whole_rows]
+    assert sum(key in r for r in whole_rows) == 4
