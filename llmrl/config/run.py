@@ -72,7 +72,9 @@ class RunConfig(Section):
             )
         self._check_colocation()
         self._check_partial_rollouts()
-        if training.router_replay and self.inference.type != "local":
+        # vLLM is asked when it starts (`llmrl.inference.vllm.routed_experts`): whether it returns routes
+        # depends on its version and build, and a managed server's vLLM is another Python than this one.
+        if training.router_replay and self.inference.type not in ("local", "vllm"):
             raise ValueError(
                 f"training.router_replay: inference.type {self.inference.type!r} does not return the experts it "
                 "routed each token through; the embedded engine (inference.type: local) does"

@@ -95,7 +95,9 @@ def test_held_out_accuracy_rises_with_an_llm_judge_as_the_reward(tmp_path, tiny_
     before, after = summary["eval_start"]["judged"], summary["eval_end"]["judged"]
     assert after["pass@1"] > before["pass@1"] + 0.05, (before, after)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert all("reward/judged/judge" in row and "agents/judged/failures/reward" not in row for row in rows[1:])
+    assert all(
+        "reward/judged/judge" in row and "agents/judged/failures/reward" not in row for row in rows[1:]
+    )
     assert all(row["agents/judged/judge/requests"] > 0 for row in rows[1:])
 
 

@@ -276,8 +276,8 @@ def test_a_run_config_asks_the_engine_for_routes_and_refuses_other_inference():
     }
     assert config_from_dict(base).inference_for_run().record_routes
     assert not config_from_dict({**base, "training": {}}).inference_for_run().record_routes
-    with pytest.raises(ConfigError, match="training.router_replay: inference.type 'vllm' does not return"):
-        config_from_dict({**base, "inference": {"type": "vllm"}})
+    with pytest.raises(ConfigError, match="training.router_replay: inference.type 'openai' does not return"):
+        config_from_dict({**base, "inference": {"type": "openai", "base_url": "http://127.0.0.1:9/v1"}})
 
 
 def test_router_replay_on_a_dense_model_is_refused_at_the_start(tmp_path):

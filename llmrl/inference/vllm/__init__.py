@@ -24,6 +24,7 @@ picks the one the config names.
 | `transports.py` | how weights reach the servers (``http``, ``disk``, ``nccl``) and what each serves |
 | `adapters.py` | LoRA adapters loaded on the servers, and their lifetime there |
 | `compatibility.py` | whether a server can be trained from; how a sync treats running requests |
+| `routed_experts.py` | whether the vLLM in use returns routed experts (router replay), and the line refusing it |
 | `server.py` | a managed server: its command line, start, readiness, stop; the model folder it loads |
 | `processes.py` | server processes that never outlive the trainer |
 | `colocated.py` | `ColocatedVLLM` (colocated): the engine in this process, its in-memory weight transports, sleep |

@@ -34,8 +34,9 @@ from llmrl.inference.openai import (
 )
 from llmrl.inference.vllm.adapters import AdapterTransport
 from llmrl.inference.vllm.compatibility import check_trainable, vllm_pause_mode
+from llmrl.inference.vllm.routed_experts import refuse_router_replay
 from llmrl.inference.vllm.routes import ControlSettings, VLLMRoutes
-from llmrl.inference.vllm.server import VLLMServer, start_servers, temporary_folder
+from llmrl.inference.vllm.server import VLLMServer, find_vllm_python, start_servers, temporary_folder
 from llmrl.inference.vllm.transports import BroadcastTransport, BucketTransport, Recover, VLLMTransport
 from llmrl.models import load_tokenizer
 from llmrl.types import InferenceRequest, InferenceResponse
@@ -204,6 +205,8 @@ class VLLMInterface(InferenceInterface):
         """External servers when `config.base_url` is set; otherwise managed servers of `model`,
         logging to ``run_dir/vllm/`` (a temporary folder without a run)."""
         vllm = config.vllm
+        if config.record_routes:
+            refuse_router_replay(None if config.base_url else find_vllm_python(vllm.python))
         lora_rank = model.lora.rank if model.lora is not None else None
         common = dict(
             config=vllm,

@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import random
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -39,6 +40,7 @@ from llmrl.inference.driver import EngineSteps, RequestDriver, settle
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
 from llmrl.inference.prompts import prompt_token_ids
 from llmrl.inference.vllm.compatibility import vllm_pause_mode
+from llmrl.inference.vllm.routed_experts import refuse_router_replay
 from llmrl.models.shape import tied_duplicates
 from llmrl.types import MAX_POLICY_VERSION, InferenceRequest, InferenceResponse
 from llmrl.weights import (
@@ -131,6 +133,8 @@ class ColocatedVLLM(InferenceInterface):
 
         vllm = config.vllm
         check_colocatable(vllm)
+        if config.record_routes:
+            refuse_router_replay(sys.executable)
         served = _shared_served_path(model, run_dir)
         # LoRA: the frozen base the trainer's adapters adapt, loaded as the trainer loads it.
         base_model = None
