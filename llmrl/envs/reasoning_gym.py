@@ -44,7 +44,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "between <answer> and </answer> tags."
 )
 
-AnswerFormat = Literal["answer_tags", "marked"]
+AnswerFormat = Literal["answer_tags", "marked", "completion"]
 
 # Some generators seed numpy with `seed + index`, which must stay below 2**32.
 _SEED_RANGE = 2**31
@@ -83,7 +83,8 @@ class ReasoningGymAgent(RewardOnlyAgent):
             size: training entries drawn (repeats and held-out questions removed).
             system_prompt: None for none; the default asks for the answer in <answer> tags.
             answer_format: ``answer_tags``: the last <answer>...</answer> (reasoning-gym's convention);
-                ``marked``: the last \\boxed{}, else <answer> tags, else what follows ``####``.
+                ``marked``: the last \\boxed{}, else <answer> tags, else what follows ``####``;
+                ``completion``: the whole reply, stripped (a model that answers bare, as the tiny one does).
             chat: chat messages (for chat-tuned models), else plain text.
             **kwargs: `RewardOnlyAgent` options (eval_size: held-out problems, default 64).
         """
@@ -96,8 +97,10 @@ class ReasoningGymAgent(RewardOnlyAgent):
             raise ValueError("config: goes inside each entry of datasets ({NAME: {weight, config}})")
         if size < 1:
             raise ValueError(f"size: must be >= 1, got {size}")
-        if answer_format not in ("answer_tags", "marked"):
-            raise ValueError(f"answer_format: expected 'answer_tags' or 'marked', got {answer_format!r}")
+        if answer_format not in ("answer_tags", "marked", "completion"):
+            raise ValueError(
+                f"answer_format: expected 'answer_tags', 'marked' or 'completion', got {answer_format!r}"
+            )
         super().__init__(**kwargs)
         self.weights: dict[str, float] = {}
         self.configs: dict[str, dict[str, Any]] = {}
@@ -215,6 +218,8 @@ class ReasoningGymAgent(RewardOnlyAgent):
             from reasoning_gym.utils import extract_answer
 
             return extract_answer(completion)
+        if self.answer_format == "completion":
+            return completion.strip() or None
         marked = answers.extract_answer(completion)
         return marked[0] if marked else None
 

@@ -64,16 +64,28 @@ def test_the_reward_is_the_librarys_score_of_the_tagged_answer(task):
     assert agent.pop_metrics() == {}
 
 
-def test_the_marked_format_reads_a_boxed_answer():
+def test_the_marked_format_reads_a_boxed_answer_and_the_completion_format_a_bare_one():
     def boxed(answer):
         return [f"so \\boxed{{{answer}}}"]
 
+    def bare(answer):
+        return [f" {answer}\n"]
+
     rewards = {}
-    for answer_format in ("answer_tags", "marked"):
-        agent = ReasoningGymAgent(dataset="chain_sum", size=8, eval_size=2, answer_format=answer_format)
-        groups = draw(agent, answering(agent, boxed), 4, 1)
-        rewards[answer_format] = [r.reward for g in groups for r in g.rollouts]
-    assert rewards == {"answer_tags": [0.0] * 4, "marked": [1.0] * 4}
+    for answer_format in ("answer_tags", "marked", "completion"):
+        for reply in (boxed, bare):
+            agent = ReasoningGymAgent(dataset="chain_sum", size=8, eval_size=2, answer_format=answer_format)
+            groups = draw(agent, answering(agent, reply), 4, 1)
+            rewards[answer_format, reply.__name__] = [r.reward for g in groups for r in g.rollouts]
+    # chain_sum gives a reply with the number in it, not alone, partial credit.
+    assert all(0 < reward < 1 for reward in rewards.pop(("completion", "boxed")))
+    assert rewards == {
+        ("answer_tags", "boxed"): [0.0] * 4,
+        ("answer_tags", "bare"): [0.0] * 4,
+        ("marked", "boxed"): [1.0] * 4,
+        ("marked", "bare"): [0.0] * 4,
+        ("completion", "bare"): [1.0] * 4,
+    }
 
 
 def test_the_draw_follows_the_seed_and_the_held_out_problems_do_not():
