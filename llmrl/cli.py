@@ -4,6 +4,7 @@
     llmrl eval [CONFIG] [--set key=value ...]       evaluate a model on the config's environments
     llmrl serve-env CONFIG                          serve environments over HTTP
     llmrl serve-inference --model SPEC              serve a model over an OpenAI-compatible API
+    llmrl serve-tinker --model SPEC                 serve LoRA training and sampling to the tinker SDK
     llmrl export SOURCE OUTPUT                      write a model as a plain Hugging Face folder
     llmrl config show [CONFIG] [--set key=value]    print the fully resolved config
 
@@ -44,7 +45,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 EXIT_TRY_AGAIN = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command may succeed later
 _REEXEC_MARK = "LLMRL_RUN_WITH_VLLM"  # set in a command run again with vLLM's interpreter
-_COMMANDS_THAT_COMPUTE = ("train", "eval", "serve-inference")  # where torch's threads matter (llmrl.threads)
+# Where torch's threads matter (llmrl.threads).
+_COMMANDS_THAT_COMPUTE = ("train", "eval", "serve-inference", "serve-tinker")
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -262,6 +264,20 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_tinker(args: argparse.Namespace) -> int:
+    try:
+        from llmrl.server.tinker_server import serve_tinker
+    except ModuleNotFoundError as missing:
+        if missing.name != "tinker":
+            raise
+        raise UserError("serve-tinker needs the tinker SDK: bash scripts/setup.sh tinker") from None
+
+    _server_logging()
+    logging.getLogger("llmrl").info(set_torch_threads().describe())
+    serve_tinker(args.model, host=args.host, port=args.port, lora_rank_max=args.lora_rank_max, seed=args.seed)
+    return 0
+
+
 def _add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     parser.add_argument(
@@ -394,6 +410,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="wait",
         choices=["wait", "abort", "in_flight"],
         help="what a weight update does with running requests (inference.weight_update)",
+    )
+
+    serve_tinker = command(
+        "serve-tinker",
+        cmd_serve_tinker,
+        "Serve LoRA training and sampling over the Tinker API, to the official tinker SDK (docs/tinker.md).",
+    )
+    serve_tinker.add_argument(
+        "--model",
+        required=True,
+        action="append",
+        help="a base model clients may train (repeatable): a model spec (tiny://arithmetic, a hub id) or folder",
+    )
+    serve_tinker.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default: loopback only)"
+    )
+    serve_tinker.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve_tinker.add_argument(
+        "--lora-rank-max", type=int, default=64, help="largest LoRA rank a client may ask for (default 64)"
+    )
+    serve_tinker.add_argument(
+        "--seed", type=int, default=0, help="seeds adapters and samples that carry no seed"
     )
 
     export = command(

@@ -1,0 +1,277 @@
+"""`llmrl serve-tinker` driven by the official `tinker` SDK over HTTP, on the tiny model (docs/tinker.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+uvicorn = pytest.importorskip("uvicorn")
+
+from tinker import types  # noqa: E402
+
+from llmrl.algorithms.logprobs import selective_log_softmax  # noqa: E402
+from llmrl.cli import EXIT_USAGE, build_parser, main  # noqa: E402
+from llmrl.processes import free_port  # noqa: E402
+from llmrl.server.tinker_server import TinkerService, create_tinker_app  # noqa: E402
+
+BASE = "tiny://arithmetic"
+TEXTS = ["12+34=46", "7+8=15", "50+25=75", "9+90=99"]
+
+
+@contextlib.contextmanager
+def served(app):
+    """`app` on a real uvicorn server on loopback (a thread of this process); yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base_url(monkeypatch_module):
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    service = TinkerService(base_specs=[BASE], lora_rank_max=32, device="cpu", seed=0)
+    service.load_base(BASE)
+    with served(create_tinker_app(service)) as url:
+        yield url
+    service.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def service_client(base_url):
+    client = tinker.ServiceClient(base_url=base_url, api_key="tml-local")
+    yield client
+    client.close("success").result(timeout=30)
+
+
+def sft_data(tokenizer) -> list[types.Datum]:
+    """Each text as one datum: inputs its tokens but the last, targets the next tokens, weight 1."""
+    data = []
+    for text in TEXTS:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+            )
+        )
+    return data
+
+
+def training_client(service_client, **lora):
+    return service_client.create_lora_training_client(
+        base_model=BASE, rank=8, seed=0, train_unembed=False, **lora
+    ).result(timeout=60)
+
+
+def test_capabilities_and_info(base_url, service_client):
+    models = (
+        tinker.RestClient(base_url=base_url, api_key="tml-local")
+        .get_server_capabilities()
+        .result(timeout=30)
+        .supported_models
+    )
+    assert [m.model_name for m in models] == [BASE]
+    client = training_client(service_client)
+    info = client.get_info()
+    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (BASE, 8, True)
+
+
+def test_first_loss_is_llmrl_cross_entropy_of_the_base(service_client, tiny_model):
+    """A new adapter (B = 0) is the base model: the first loss is the base's weighted cross-entropy."""
+    model, tokenizer = tiny_model
+    data = sft_data(tokenizer)
+    data[0].loss_fn_inputs["weights"] = types.TensorData.from_numpy(
+        torch.linspace(0.0, 1.0, len(data[0].loss_fn_inputs["weights"].data)).numpy()
+    )
+    client = training_client(service_client)
+    output = client.forward_backward(data, "cross_entropy").result(timeout=60)
+
+    expected_loss = 0.0
+    for datum, returned in zip(data, output.loss_fn_outputs, strict=True):
+        tokens = datum.model_input.to_ints()
+        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
+        weights = torch.tensor(datum.loss_fn_inputs["weights"].data)
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0]
+        expected, _ = selective_log_softmax(logits, targets)
+        torch.testing.assert_close(torch.tensor(returned["logprobs"].data), expected, atol=1e-5, rtol=1e-5)
+        expected_loss += float(-(weights * expected).sum())
+    assert output.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_sft_loop_lowers_the_loss_and_sampling_serves_the_adapter(service_client, tiny_model):
+    model, tokenizer = tiny_model
+    data = sft_data(tokenizer)
+    client = training_client(service_client)
+    losses = []
+    for _ in range(8):
+        backward = client.forward_backward(data, "cross_entropy")
+        step = client.optim_step(types.AdamParams(learning_rate=1e-2))
+        losses.append(backward.result(timeout=60).metrics["loss:sum"])
+        step.result(timeout=60)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+    result = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result(timeout=60)
+    assert [len(s.tokens) for s in result.sequences] == [4, 4]
+    assert {s.stop_reason for s in result.sequences} == {"length"}
+    sampled = result.sequences[0]
+
+    # The sampler's logprobs are the trained adapter's (its forward on the same tokens), not the base's.
+    tokens = prompt + sampled.tokens
+    scored = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] * (len(tokens) - 1)},
+    )
+    adapter = client.forward([scored], "cross_entropy").result(timeout=60)
+    adapter_logprobs = torch.tensor(adapter.loss_fn_outputs[0]["logprobs"].data[-4:])
+    torch.testing.assert_close(torch.tensor(sampled.logprobs), adapter_logprobs, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]])).logits[0, -4:]
+    base_logprobs, _ = selective_log_softmax(logits, torch.tensor(sampled.tokens))
+    assert (adapter_logprobs - base_logprobs).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("inputs", "loss_fn_inputs", "message"),
+    [
+        (
+            lambda t: t[:-1],
+            lambda t: {"target_tokens": t[1:], "weights": [1.0] * (len(t) - 2)},
+            r"data\[0\]\.loss_fn_inputs\.weights: shape \[\d+\] for \d+ input tokens \(one per input token\)$",
+        ),
+        (
+            lambda t: t[:-1],
+            lambda t: {"target_tokens": t[1:]},
+            r"data\[0\]\.loss_fn_inputs\.weights: required by cross_entropy$",
+        ),
+        (
+            lambda t: [5000, *t[1:-1]],
+            lambda t: {"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)},
+            r"data\[0\]\.model_input: token 5000 is outside the vocabulary \(0\.\.1023\)$",
+        ),
+        (
+            lambda t: t[:-1],
+            lambda t: {"target_tokens": t[:-1], "weights": [1.0] * (len(t) - 1)},
+            r"data\[0\]\.loss_fn_inputs\.target_tokens: must be model_input shifted by one",
+        ),
+        (
+            lambda t: t[:1] * 1100,
+            lambda t: {"target_tokens": t[:1] * 1100, "weights": [1.0] * 1100},
+            r"data\[0\]\.model_input: 1100 tokens; the model takes at most 1023 here$",
+        ),
+    ],
+    ids=[
+        "weights one short",
+        "no weights",
+        "token outside the vocabulary",
+        "targets not shifted",
+        "too long",
+    ],
+)
+def test_malformed_datum_is_refused_naming_the_field(
+    service_client, tiny_model, inputs, loss_fn_inputs, message
+):
+    _, tokenizer = tiny_model
+    tokens = tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(inputs(tokens)), loss_fn_inputs=loss_fn_inputs(tokens)
+    )
+    client = training_client(service_client)
+    with pytest.raises(tinker.BadRequestError) as refused:
+        client.forward_backward([datum], "cross_entropy").result(timeout=60)
+    assert refused.value.status_code == 400
+    (line,) = refused.value.body["error"]["message"].splitlines()
+    assert re.search(message, line), line
+
+
+def test_unknown_loss_and_unbuilt_calls_are_refused_in_one_line(base_url, service_client, tiny_model):
+    _, tokenizer = tiny_model
+    client = training_client(service_client)
+    with pytest.raises(tinker.BadRequestError, match="loss_fn: 'dro' is not served yet"):
+        client.forward_backward(sft_data(tokenizer), "dro").result(timeout=60)
+    answer = httpx.post(f"{base_url}/api/v1/save_weights", json={"model_id": client.model_id})
+    assert answer.status_code == 404
+    message = answer.json()["error"]["message"]
+    assert (
+        message == "TrainingClient.save_state (/api/v1/save_weights) is not served yet by llmrl serve-tinker"
+    )
+
+
+def test_bad_rank_and_unknown_model_are_refused(service_client):
+    with pytest.raises(tinker.BadRequestError, match=r"lora_config\.rank: must be in 1\.\.32, got 64"):
+        service_client.create_lora_training_client(base_model=BASE, rank=64).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="base_model: 'Qwen/Qwen3-8B' is not served here"):
+        service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B").result(timeout=60)
+
+
+def test_default_lora_switches_train_and_sample(service_client, tiny_model):
+    """The SDK's defaults adapt the head too (train_unembed), which the tiny model ties to its embedding."""
+    _, tokenizer = tiny_model
+    client = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result(timeout=60)
+    client.forward_backward(sft_data(tokenizer), "cross_entropy").result(timeout=60)
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = types.ModelInput.from_ints(tokenizer("7+8=", add_special_tokens=False)["input_ids"])
+    result = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, seed=5)).result(timeout=60)
+    assert 1 <= len(result.sequences[0].tokens) <= 3
+
+
+def test_cli_parses_serve_tinker():
+    args = build_parser().parse_args(
+        ["serve-tinker", "--model", BASE, "--model", "./other", "--port", "9000", "--lora-rank-max", "16"]
+    )
+    assert (args.model, args.port, args.lora_rank_max, args.host) == (
+        [BASE, "./other"],
+        9000,
+        16,
+        "127.0.0.1",
+    )
+
+
+def test_head_adapter_merged_for_sampling_leaves_the_input_embedding_alone():
+    service = TinkerService(base_specs=[BASE], lora_rank_max=8, device="cpu")
+    service.sessions.add("s")
+    request = types.CreateModelRequest(
+        session_id="s", model_seq_id=0, base_model=BASE, lora_config=types.LoraConfig(rank=2)
+    )
+    trained = service.models[service.create_model(request).model_id]
+    head = trained.peft_model.get_base_model().lm_head
+    torch.nn.init.normal_(head.lora_B["default"].weight)
+    merged = trained.peft_model.merge_and_unload()
+    base_embedding = service.load_base(BASE)[0].get_input_embeddings().weight
+    torch.testing.assert_close(merged.get_input_embeddings().weight, base_embedding)
+    assert not torch.allclose(merged.lm_head.weight, base_embedding)
+
+
+def test_serve_tinker_without_the_sdk_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tinker", None)
+    monkeypatch.delitem(sys.modules, "llmrl.server.tinker_server")
+    assert main(["serve-tinker", "--model", BASE]) == EXIT_USAGE
+    assert "serve-tinker needs the tinker SDK: bash scripts/setup.sh tinker" in capsys.readouterr().err
