@@ -113,13 +113,19 @@ class ForwardPasses:
                 RouteReplay(module) if self.routes is not None and has_moe_routers(module) else None
             )
         replay = self._route_replays[id(model)]
-        if self.routes is None or replay is None:  # not asked, or a dense model beside an MoE policy
-            yield
+        if self.routes is None or replay is None or not self._routes_fit(replay):
+            yield  # not asked, or a model beside the policy (a teacher) that the routes do not describe
             return
         with replay.routes(
             packed_routes(self.routes, packed, replay.layers, replay.top_k), replay=self.replay_routes
         ):
             yield
+
+    def _routes_fit(self, replay: RouteReplay) -> bool:
+        """Whether the step's routes are of `replay`'s model's MoE layers and top k (a dense model, or an
+        MoE of another shape beside the policy, routes live)."""
+        recorded = next((wire for wire in self.routes or () if wire is not None), None)
+        return recorded is None or tuple(recorded.shape[1:]) == (replay.layers, replay.top_k)
 
     def route_metrics(self) -> dict[str, float]:
         """How often the policy's live routers chose other experts than those recorded, since the last

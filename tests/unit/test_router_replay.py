@@ -293,3 +293,19 @@ def test_router_replay_on_a_dense_model_is_refused_at_the_start(tmp_path):
         ConfigError, match="training.router_replay: tiny://arithmetic: Qwen2ForCausalLM has no mixture"
     ):
         Trainer(config)
+
+
+def test_a_model_of_another_moe_shape_beside_the_policy_routes_live():
+    """A distillation teacher that is an MoE of other layers or top k: the policy's routes do not
+    describe it, so its passes route live (and are not counted)."""
+    model = build_model("qwen3_moe")
+    responses, sequences, masks = engine_sequences(model)
+    other = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3MoeConfig(**{**build_config("qwen3_moe").to_dict(), "num_experts_per_tok": 1})
+    ).eval()
+    passes = ForwardPasses(model, TrainingConfig(router_replay=True), pad_token_id=0)
+    passes.follow_routes([r.routed_experts for r in responses])
+    plain = ForwardPasses(model, TrainingConfig(), pad_token_id=0)
+    got = passes.sequence_logprobs(other, sequences, masks, range(len(sequences)))
+    want = plain.sequence_logprobs(other, sequences, masks, range(len(sequences)))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
