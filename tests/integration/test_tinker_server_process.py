@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import tinker
 from servers import serving
-
-tinker = pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
+from tinker import types
 
 pytestmark = pytest.mark.slow
 BASE = "tiny://arithmetic"

@@ -2,46 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 import sys
-import threading
-import time
 
 import httpx
 import pytest
+import tinker
 import torch
+from test_server_robustness import served
+from tinker import types
 
-tinker = pytest.importorskip("tinker")
-uvicorn = pytest.importorskip("uvicorn")
-
-from tinker import types  # noqa: E402
-
-from llmrl.algorithms.logprobs import selective_log_softmax  # noqa: E402
-from llmrl.cli import EXIT_USAGE, build_parser, main  # noqa: E402
-from llmrl.processes import free_port  # noqa: E402
-from llmrl.server.tinker_server import TinkerService, create_tinker_app  # noqa: E402
+from llmrl.algorithms.logprobs import selective_log_softmax
+from llmrl.cli import EXIT_USAGE, build_parser, main
+from llmrl.server.tinker_server import TinkerService, create_tinker_app
 
 BASE = "tiny://arithmetic"
 TEXTS = ["12+34=46", "7+8=15", "50+25=75", "9+90=99"]
-
-
-@contextlib.contextmanager
-def served(app):
-    """`app` on a real uvicorn server on loopback (a thread of this process); yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +25,8 @@ def base_url(monkeypatch_module):
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
     service = TinkerService(base_specs=[BASE], lora_rank_max=32, device="cpu", seed=0)
     service.load_base(BASE)
-    with served(create_tinker_app(service)) as url:
+    with served(create_tinker_app(service)) as port:
+        url = f"http://127.0.0.1:{port}"
         yield url
     service.close()
 
