@@ -1,5 +1,5 @@
 """Router replay with vLLM: the one line that refuses it, decided by what the vLLM in use supports
-(`llmrl.inference.vllm.routed_experts`); tests/integration/test_vllm_routes.py asks the real one."""
+(`llmrl.inference.vllm.routed_experts`); tests/integration/test_vllm_routes_process.py asks the real one."""
 
 from __future__ import annotations
 
