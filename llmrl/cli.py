@@ -16,8 +16,8 @@ print one clear message and exit with status 2; any other exception is a bug and
 Ctrl-C exits with 130. A training run stops on SIGINT (Ctrl-C), SIGTERM or SIGHUP after it saves a
 checkpoint (of the step in flight, or with `checkpoint.on_signal: save_now` of the last finished one)
 and exits with 128 + the signal's number: 130, 143, 129 (`StoppedBySignal`). A training
-run whose inference server stops answering exits with 75 and one line saying since when; running
-the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
+run whose inference server, or an agent's environment server, stops answering exits with 75 and one
+line saying which and since when (`ServerUnavailableError`); running the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
 exits with 1 and one line naming the failure (`UserCodeError`); so does one whose run folder cannot be
 written (a full disk), saying which checkpoint the same command resumes from. A run folder another run
 is training in is refused (2); a run that already ran more steps than asked says so and exits with 0.
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmrl.config import ConfigError, RunConfig, dump_config, load_config
-from llmrl.errors import UserCodeError, UserError
+from llmrl.errors import ServerUnavailableError, UserCodeError, UserError
 from llmrl.quiet import quiet_libraries
 from llmrl.stopping import StoppedBySignal
 from llmrl.threads import bound_openmp_spinning, set_torch_threads
@@ -135,7 +135,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from llmrl.evaluation import summary_table
-    from llmrl.inference import InferenceUnavailableError
     from llmrl.trainer import Trainer
     from llmrl.trainer.run_folder import RunFolderWriteError
     from llmrl.trainer.trainer import AlreadyTrainedError
@@ -150,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except AlreadyTrainedError as exc:
         print(exc)
         return 0
-    except InferenceUnavailableError as exc:
+    except ServerUnavailableError as exc:  # the inference, a teacher or an environment server
         print(f"llmrl train: stopped: {exc}", file=sys.stderr)
         return EXIT_TRY_AGAIN
     except RunFolderWriteError as exc:  # a full disk, a read-only file system: the message says what is kept
@@ -266,7 +265,7 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
 
 def cmd_serve_tinker(args: argparse.Namespace) -> int:
     try:
-        from llmrl.server.tinker_server import serve_tinker
+        from llmrl.server.tinker import serve_tinker
     except ModuleNotFoundError as missing:
         if missing.name != "tinker":
             raise

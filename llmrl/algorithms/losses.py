@@ -41,6 +41,18 @@ the loss to *minimise* is::
   "Truncated importance sampling"). ``is_mode="mask"`` drops whole sequences whose geometric-mean
   weight ``exp(mean_t (log pi_old - log q))`` is outside ``[1 / is_cap, is_cap]`` (masked IS).
 
+Two other surrogates take the place of ``pg_t`` where a caller asks for them (`cispo_surrogate`,
+`dro_surrogate`; the Tinker API's ``cispo`` and ``dro`` losses)::
+
+    cispo_t = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi(y_t)     CISPO
+    dro_t   = -(A * log pi(y_t) - beta / 2 * (log r)^2)                         DRO
+
+- CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585, eq. 4): the clipped ratio only weighs the
+  REINFORCE gradient, so a clipped token still passes a gradient, unlike PPO's.
+- DRO (Richemond et al. 2024, "Offline Regularised Reinforcement Learning for LLM Alignment",
+  arXiv:2405.19107; Kimi Team 2025, "Kimi k1.5", arXiv:2501.12599, eq. 3): a quadratic penalty on
+  the log-ratio in place of clipping. Here ``r = pi / pi_old`` with the old policy's logprobs given.
+
 Aggregation (how the ``l_t`` become one number; ``m`` is the loss mask, ``n_i`` tokens of sequence
 ``i``, ``N`` the number of sequences with at least one token in the mask)::
 
@@ -310,11 +322,8 @@ def clipped_surrogate(
 ) -> Surrogate:
     """Add the PPO clipped surrogate (dual-clipped, GSPO's sequence ratio, IS-corrected as `options`
     say) to `loss` as its first term; the IS metrics join its metrics."""
-    in_mask, segment = loss.in_mask, loss.segment
-    old_logprobs = torch.where(in_mask, old_logprobs.detach(), 0.0)  # a constant of the objective
-    advantages = torch.where(
-        in_mask, _per_token_advantages(advantages, in_mask, segment, loss.sequence_ids), 0.0
-    )
+    segment = loss.segment
+    old_logprobs, advantages = _sampled_terms(loss, old_logprobs, advantages)
     token_log_ratio = _clamped(loss.logprobs - old_logprobs)  # log pi / pi_old, (B, T)
     if options.ratio_level == "sequence":
         per_sequence = _segment_mean(token_log_ratio, segment, loss.tokens_per_sequence)  # (S,)
@@ -330,6 +339,44 @@ def clipped_surrogate(
         pg = _importance_sampling(loss, pg, old_logprobs, inference_logprobs, options)
     loss.add(pg)
     return Surrogate(pg, ratio, token_log_ratio, advantages, options)
+
+
+def cispo_surrogate(
+    loss: TokenLoss, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> None:
+    """Add CISPO's per-token loss (module docstring) to `loss`; ``ratio_mean`` and the clipped fractions
+    join its metrics."""
+    old_logprobs, advantages = _sampled_terms(loss, old_logprobs, advantages)
+    ratio = _clamped(loss.logprobs - old_logprobs).exp()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    loss.add(-weight * advantages * loss.logprobs)
+    loss.metrics.update(
+        ratio_mean=loss.token_mean(ratio),
+        clip_frac_low=loss.token_mean((ratio < 1.0 - clip_low).to(loss.mask.dtype)),
+        clip_frac_high=loss.token_mean((ratio > 1.0 + clip_high).to(loss.mask.dtype)),
+    )
+
+
+def dro_surrogate(loss: TokenLoss, old_logprobs: torch.Tensor, advantages: torch.Tensor, beta: float) -> None:
+    """Add DRO's per-token loss (module docstring) to `loss`; the penalty's token mean is
+    ``dro_penalty``."""
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    old_logprobs, advantages = _sampled_terms(loss, old_logprobs, advantages)
+    penalty = 0.5 * beta * (loss.logprobs - old_logprobs) ** 2
+    loss.metrics["dro_penalty"] = loss.token_mean(penalty)
+    loss.add(-(advantages * loss.logprobs - penalty))
+
+
+def _sampled_terms(
+    loss: TokenLoss, old_logprobs: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling policy's logprobs (a constant of the objective) and per-token advantages, zero off
+    the mask."""
+    in_mask = loss.in_mask
+    old_logprobs = torch.where(in_mask, old_logprobs.detach(), 0.0)
+    advantages = _per_token_advantages(advantages, in_mask, loss.segment, loss.sequence_ids)
+    return old_logprobs, torch.where(in_mask, advantages, 0.0)
 
 
 def _importance_sampling(

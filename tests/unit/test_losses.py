@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from llmrl.algorithms.losses import LossOptions, kl_penalty, loss_normalizer, policy_loss
+from llmrl.algorithms.losses import (
+    LossOptions,
+    TokenLoss,
+    cispo_surrogate,
+    dro_surrogate,
+    kl_penalty,
+    loss_normalizer,
+    policy_loss,
+)
 from llmrl.config import AlgorithmConfig
 
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -555,3 +563,55 @@ def test_loss_options_of_a_run_config(is_mode, generation_lag, expected):
         LossOptions.from_config(AlgorithmConfig(max_length=9), max_tokens=64, generation_lag=0).max_length
         == 9
     )
+
+
+def per_token_reference(batch, term):
+    """Sum over masked tokens of ``term(logprob, old, advantage)``, one Python float at a time but for
+    the logprob, which keeps its graph."""
+    logprobs, old, advantages, mask = batch["logprobs"], batch["old"], batch["advantages"], batch["mask"]
+    total = logprobs.new_zeros(())
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                advantage = float(advantages[i, t] if advantages.dim() == 2 else advantages[i])
+                total = total + term(logprobs[i, t], float(old[i, t]), advantage)
+    return total
+
+
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+def test_cispo_matches_a_loop_and_passes_gradient_through_clipped_tokens(per_token_advantages):
+    batch = random_batch(3, per_token_advantages=per_token_advantages)
+    loss = TokenLoss(batch["logprobs"], batch["mask"])
+    cispo_surrogate(loss, batch["old"], batch["advantages"], clip_low=0.2, clip_high=0.28)
+    value = loss.aggregate("token_mean", None, normalizer=1.0)
+
+    def term(logprob, old, advantage):
+        weight = min(max(math.exp(float(logprob) - old), 0.8), 1.28)  # a constant: stop-gradient
+        return -weight * advantage * logprob
+
+    expected = per_token_reference(batch, term)
+    torch.testing.assert_close(value, expected)
+    (gradient,) = torch.autograd.grad(value, batch["logprobs"])
+    (expected_gradient,) = torch.autograd.grad(expected, batch["logprobs"])
+    torch.testing.assert_close(gradient, expected_gradient)
+    clipped = batch["mask"] & ((batch["logprobs"] - batch["old"]).exp() > 1.28)
+    assert clipped.any() and (gradient[clipped] != 0).all()  # unlike PPO, a clipped token still learns
+    assert loss.metrics["clip_frac_high"] > 0
+
+
+def test_dro_matches_a_loop():
+    batch = random_batch(4, per_token_advantages=True)
+    loss = TokenLoss(batch["logprobs"], batch["mask"])
+    dro_surrogate(loss, batch["old"], batch["advantages"], beta=0.3)
+    value = loss.aggregate("token_mean", None, normalizer=1.0)
+
+    def term(logprob, old, advantage):
+        return -(advantage * logprob - 0.5 * 0.3 * (logprob - old) ** 2)
+
+    expected = per_token_reference(batch, term)
+    torch.testing.assert_close(value, expected)
+    (gradient,) = torch.autograd.grad(value, batch["logprobs"])
+    (expected_gradient,) = torch.autograd.grad(expected, batch["logprobs"])
+    torch.testing.assert_close(gradient, expected_gradient)
+    with pytest.raises(ValueError, match="beta must be >= 0, got -1"):
+        dro_surrogate(TokenLoss(batch["logprobs"], batch["mask"]), batch["old"], batch["advantages"], -1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 
@@ -14,21 +15,25 @@ from tinker import types
 
 from llmrl.algorithms.logprobs import selective_log_softmax
 from llmrl.cli import EXIT_USAGE, build_parser, main
-from llmrl.server.tinker_server import TinkerService, create_tinker_app
+from llmrl.server.tinker import TinkerService, create_tinker_app
 
 BASE = "tiny://arithmetic"
 TEXTS = ["12+34=46", "7+8=15", "50+25=75", "9+90=99"]
 
 
 @pytest.fixture(scope="module")
-def base_url(monkeypatch_module):
-    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+def tinker_service():
     service = TinkerService(base_specs=[BASE], lora_rank_max=32, device="cpu", seed=0)
     service.load_base(BASE)
-    with served(create_tinker_app(service)) as port:
-        url = f"http://127.0.0.1:{port}"
-        yield url
+    yield service
     service.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(monkeypatch_module, tinker_service):
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    with served(create_tinker_app(tinker_service)) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +196,8 @@ def test_malformed_datum_is_refused_naming_the_field(
 def test_unknown_loss_and_unbuilt_calls_are_refused_in_one_line(base_url, service_client, tiny_model):
     _, tokenizer = tiny_model
     client = training_client(service_client)
-    with pytest.raises(tinker.BadRequestError, match="loss_fn: 'dro' is not served yet"):
-        client.forward_backward(sft_data(tokenizer), "dro").result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="loss_fn: 'gspo': not served yet"):
+        client.forward_backward(sft_data(tokenizer), "gspo").result(timeout=60)
     answer = httpx.post(f"{base_url}/api/v1/save_weights", json={"model_id": client.model_id})
     assert answer.status_code == 404
     message = answer.json()["error"]["message"]
@@ -249,6 +254,204 @@ def test_head_adapter_merged_for_sampling_leaves_the_input_embedding_alone():
 
 def test_serve_tinker_without_the_sdk_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tinker", None)
-    monkeypatch.delitem(sys.modules, "llmrl.server.tinker_server")
+    for name in [m for m in sys.modules if m.startswith("llmrl.server.tinker")]:
+        monkeypatch.delitem(sys.modules, name)
     assert main(["serve-tinker", "--model", BASE]) == EXIT_USAGE
     assert "serve-tinker needs the tinker SDK: bash scripts/setup.sh tinker" in capsys.readouterr().err
+
+
+def rl_data(tokenizer) -> list[types.Datum]:
+    """Policy-gradient data as a Tinker RL loop builds it: sampler logprobs away from the model's (so
+    that ratios leave the clip range both ways), advantages on the completion only, and for the second
+    datum a 0/1 weights mask that leaves out its last token."""
+    generator = torch.Generator().manual_seed(7)
+    data = []
+    for i, text in enumerate(TEXTS[:3]):
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        n = len(tokens) - 1
+        completion = torch.arange(n) >= n // 2
+        inputs = {
+            "target_tokens": tokens[1:],
+            "logprobs": (-2.0 + 0.6 * torch.randn(n, generator=generator)).tolist(),
+            "advantages": torch.where(completion, torch.randn(n, generator=generator), 0.0).tolist(),
+        }
+        if i == 1:
+            inputs["weights"] = [1.0] * (n - 1) + [0.0]
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
+    return data
+
+
+def documented_loss(name, config, logprobs, datum):
+    """Tinker's documented formula for one datum (``logprobs`` carries the gradient)."""
+    inputs = datum.loss_fn_inputs
+    sampled = torch.tensor(inputs["logprobs"].data)
+    advantages = torch.tensor(inputs["advantages"].data)
+    mask = torch.tensor(inputs["weights"].data) if "weights" in inputs else torch.ones_like(sampled)
+    ratio = torch.exp(logprobs - sampled)
+    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    if name == "importance_sampling":
+        objective = ratio * advantages
+    elif name == "ppo":
+        objective = torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    elif name == "cispo":
+        objective = torch.clamp(ratio, low, high).detach() * logprobs * advantages
+    else:
+        objective = logprobs * advantages - 0.5 * config["beta"] * (logprobs - sampled) ** 2
+    return -(mask * objective).sum()
+
+
+def assert_same_gradients(served: dict, reference: dict) -> None:
+    """The served adapter's gradients equal the reference's, up to the float32 noise of a packed forward
+    (which grows with the gradient's size)."""
+    assert reference
+    for name, parameter in reference.items():
+        scale = float(parameter.grad.abs().max())
+        torch.testing.assert_close(served[name].grad, parameter.grad, atol=1e-4 * scale, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("importance_sampling", {}),
+        ("ppo", {}),
+        ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+        ("cispo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}),
+        ("dro", {"beta": 0.5}),
+    ],
+    ids=["importance_sampling", "ppo", "ppo-config", "cispo", "dro"],
+)
+def test_policy_gradient_losses_are_the_documented_ones_and_llmrl_steps_on_their_gradient(
+    tinker_service, service_client, tiny_model, name, config
+):
+    """The loss value and the gradient it leaves on the adapter equal Tinker's formula computed apart on a
+    copy of the adapter; the following optim_step is llmrl's AdamW on that gradient."""
+    _, tokenizer = tiny_model
+    data = rl_data(tokenizer)
+    client = training_client(service_client)
+    # B starts at 0, so the adapter's gradient reaches only B: nudge it so that A's gradient is tested too.
+    served_model = tinker_service.models[client.model_id].peft_model
+    with torch.no_grad():
+        for parameter_name, parameter in served_model.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.copy_(
+                    0.01 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3))
+                )
+    reference = copy.deepcopy(served_model)
+    trainable = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+
+    output = client.forward_backward(data, name, config).result(timeout=60)
+
+    expected = 0.0
+    for datum, returned in zip(data, output.loss_fn_outputs, strict=True):
+        tokens = datum.model_input.to_ints()
+        logits = reference(torch.tensor([tokens])).logits[0]
+        logprobs, _ = selective_log_softmax(logits, torch.tensor(datum.loss_fn_inputs["target_tokens"].data))
+        torch.testing.assert_close(
+            torch.tensor(returned["logprobs"].data), logprobs.detach(), atol=1e-5, rtol=1e-5
+        )
+        expected = expected + documented_loss(name, config, logprobs, datum)
+    assert output.metrics["loss:sum"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+    expected.backward()
+    served = dict(served_model.named_parameters())
+    assert_same_gradients(served, trainable)
+
+    # Adam's first step divides by |gradient|: step both on the same (checked) gradient.
+    for parameter_name, parameter in trainable.items():
+        parameter.grad = served[parameter_name].grad.clone()
+    adam = types.AdamParams(learning_rate=1e-3, weight_decay=0.01)
+    client.optim_step(adam).result(timeout=60)
+    betas, eps = (adam.beta1, adam.beta2), adam.eps
+    torch.optim.AdamW(trainable.values(), lr=1e-3, betas=betas, eps=eps, weight_decay=0.01).step()
+    for parameter_name, parameter in trainable.items():
+        torch.testing.assert_close(served[parameter_name], parameter, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "change", "message"),
+    [
+        (
+            "ppo",
+            {"clip": 0.2},
+            None,
+            r"loss_fn_config\.clip: ppo takes clip_low_threshold, clip_high_threshold$",
+        ),
+        (
+            "ppo",
+            {"clip_low_threshold": 1.2},
+            None,
+            r"needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold",
+        ),
+        ("dro", {}, None, r"loss_fn_config\.beta: required by dro$"),
+        (
+            "importance_sampling",
+            {},
+            "drop advantages",
+            r"data\[0\]\.loss_fn_inputs\.advantages: required by importance_sampling$",
+        ),
+        (
+            "cispo",
+            {},
+            "weights 0.5",
+            r"data\[0\]\.loss_fn_inputs\.weights: cispo takes weights as a 0/1 mask",
+        ),
+        (
+            "ppo",
+            {},
+            "per-token clip",
+            r"data\[0\]\.loss_fn_inputs\.clip_low_threshold: ppo takes target_tokens, logprobs, advantages, weights$",
+        ),
+    ],
+    ids=[
+        "unknown setting",
+        "clip range",
+        "dro without beta",
+        "no advantages",
+        "fractional mask",
+        "per-token clip",
+    ],
+)
+def test_bad_policy_gradient_calls_are_refused_naming_the_field(
+    service_client, tiny_model, name, config, change, message
+):
+    _, tokenizer = tiny_model
+    datum = rl_data(tokenizer)[0]
+    inputs = dict(datum.loss_fn_inputs)
+    n = len(inputs["target_tokens"].data)
+    if change == "drop advantages":
+        del inputs["advantages"]
+    elif change == "weights 0.5":
+        inputs["weights"] = [0.5] * n
+    elif change == "per-token clip":
+        inputs["clip_low_threshold"] = [0.8] * n
+    datum = types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)
+    client = training_client(service_client)
+    with pytest.raises(tinker.BadRequestError) as refused:
+        client.forward_backward([datum], name, config).result(timeout=60)
+    (line,) = refused.value.body["error"]["message"].splitlines()
+    assert re.search(message, line), line
+
+
+def test_forward_backward_custom_trains_on_the_gradient_of_the_users_loss(
+    tinker_service, service_client, tiny_model
+):
+    """The SDK runs a custom loss as a forward, the user's function on the logprobs, and a cross_entropy
+    whose weights are minus that function's gradient: the adapter's gradient is the custom loss's."""
+    _, tokenizer = tiny_model
+    data = sft_data(tokenizer)
+    client = training_client(service_client)
+    reference = copy.deepcopy(tinker_service.models[client.model_id].peft_model)
+
+    def squared_logprobs(data, logprobs_list):
+        loss = sum((logprobs**2).sum() for logprobs in logprobs_list)
+        return loss, {"custom:sum": float(loss)}
+
+    output = client.forward_backward_custom(data, squared_logprobs).result(timeout=60)
+    expected = 0.0
+    for datum in data:
+        logits = reference(torch.tensor([datum.model_input.to_ints()])).logits[0]
+        logprobs, _ = selective_log_softmax(logits, torch.tensor(datum.loss_fn_inputs["target_tokens"].data))
+        expected = expected + (logprobs**2).sum()
+    assert output.metrics["loss:sum"] == pytest.approx(expected.item(), rel=1e-5)
+    expected.backward()
+    served = dict(tinker_service.models[client.model_id].peft_model.named_parameters())
+    assert_same_gradients(served, {n: p for n, p in reference.named_parameters() if p.grad is not None})
