@@ -273,7 +273,14 @@ def cmd_serve_tinker(args: argparse.Namespace) -> int:
 
     _server_logging()
     logging.getLogger("llmrl").info(set_torch_threads().describe())
-    serve_tinker(args.model, host=args.host, port=args.port, lora_rank_max=args.lora_rank_max, seed=args.seed)
+    serve_tinker(
+        args.model,
+        host=args.host,
+        port=args.port,
+        lora_rank_max=args.lora_rank_max,
+        seed=args.seed,
+        storage=Path(args.storage),
+    )
     return 0
 
 
@@ -431,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_tinker.add_argument(
         "--seed", type=int, default=0, help="seeds adapters and samples that carry no seed"
+    )
+    serve_tinker.add_argument(
+        "--storage",
+        default="tinker_storage",
+        help="folder of saved states and sampler weights, kept across restarts (default ./tinker_storage)",
     )
 
     export = command(

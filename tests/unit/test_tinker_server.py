@@ -22,8 +22,9 @@ TEXTS = ["12+34=46", "7+8=15", "50+25=75", "9+90=99"]
 
 
 @pytest.fixture(scope="module")
-def tinker_service():
-    service = TinkerService(base_specs=[BASE], lora_rank_max=32, device="cpu", seed=0)
+def tinker_service(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("tinker_storage")
+    service = TinkerService(base_specs=[BASE], lora_rank_max=32, device="cpu", storage=storage, seed=0)
     service.load_base(BASE)
     yield service
     service.close()
@@ -198,12 +199,10 @@ def test_unknown_loss_and_unbuilt_calls_are_refused_in_one_line(base_url, servic
     client = training_client(service_client)
     with pytest.raises(tinker.BadRequestError, match="loss_fn: 'gspo': not served yet"):
         client.forward_backward(sft_data(tokenizer), "gspo").result(timeout=60)
-    answer = httpx.post(f"{base_url}/api/v1/save_weights", json={"model_id": client.model_id})
+    answer = httpx.post(f"{base_url}/api/v1/copy_weights", json={"model_id": client.model_id})
     assert answer.status_code == 404
     message = answer.json()["error"]["message"]
-    assert (
-        message == "TrainingClient.save_state (/api/v1/save_weights) is not served yet by llmrl serve-tinker"
-    )
+    assert message == "RestClient.copy_weights (/api/v1/copy_weights) is not served yet by llmrl serve-tinker"
 
 
 def test_bad_rank_and_unknown_model_are_refused(service_client):
@@ -237,8 +236,8 @@ def test_cli_parses_serve_tinker():
     )
 
 
-def test_head_adapter_merged_for_sampling_leaves_the_input_embedding_alone():
-    service = TinkerService(base_specs=[BASE], lora_rank_max=8, device="cpu")
+def test_head_adapter_merged_for_sampling_leaves_the_input_embedding_alone(tmp_path):
+    service = TinkerService(base_specs=[BASE], lora_rank_max=8, device="cpu", storage=tmp_path)
     service.sessions.add("s")
     request = types.CreateModelRequest(
         session_id="s", model_seq_id=0, base_model=BASE, lora_config=types.LoraConfig(rank=2)
@@ -443,7 +442,7 @@ def test_forward_backward_custom_trains_on_the_gradient_of_the_users_loss(
 
     def squared_logprobs(data, logprobs_list):
         loss = sum((logprobs**2).sum() for logprobs in logprobs_list)
-        return loss, {"custom:sum": float(loss)}
+        return loss, {"custom:sum": float(loss.detach())}
 
     output = client.forward_backward_custom(data, squared_logprobs).result(timeout=60)
     expected = 0.0
@@ -455,3 +454,133 @@ def test_forward_backward_custom_trains_on_the_gradient_of_the_users_loss(
     expected.backward()
     served = dict(tinker_service.models[client.model_id].peft_model.named_parameters())
     assert_same_gradients(served, {n: p for n, p in reference.named_parameters() if p.grad is not None})
+
+
+def sft_steps(client, data, steps: int) -> list[float]:
+    """`steps` of cross_entropy and AdamW; each step's loss before its update."""
+    losses = []
+    for _ in range(steps):
+        backward = client.forward_backward(data, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+        losses.append(backward.result(timeout=60).metrics["loss:sum"])
+    return losses
+
+
+@pytest.mark.filterwarnings(
+    "ignore:DEPRECATED. TrainingClient.load_state:FutureWarning"
+)  # still called by users
+def test_saved_state_resumes_with_the_same_numbers(base_url, service_client, tiny_model):
+    """A client restored with its optimizer continues exactly as the one that saved; restored without, it
+    starts from the same weights with a fresh AdamW."""
+    _, tokenizer = tiny_model
+    data = sft_data(tokenizer)
+    saving = training_client(service_client)
+    sft_steps(saving, data, 2)
+    path = saving.save_state("after-2", user_metadata={"step": "2"}).result(timeout=60).path
+    assert path == f"tinker://{saving.model_id}/weights/after-2"
+    continued = sft_steps(saving, data, 2)
+
+    with_optimizer = service_client.create_training_client_from_state_with_optimizer(path).result(timeout=60)
+    assert sft_steps(with_optimizer, data, 2) == continued
+    weights_only = service_client.create_training_client_from_state(path).result(timeout=60)
+    fresh_adam = sft_steps(weights_only, data, 2)
+    assert fresh_adam[0] == continued[0] and fresh_adam[1] != continued[1]
+    # load_state into a client that exists: back to the saved weights.
+    saving.load_state(path).result(timeout=60)
+    assert sft_steps(saving, data, 1)[0] == continued[0]
+
+    rest = tinker.RestClient(base_url=base_url, api_key="tml-local")
+    info = rest.get_weights_info_by_tinker_path(path).result(timeout=30)
+    assert (info.base_model, info.lora_rank, info.is_lora, info.train_unembed) == (BASE, 8, True, False)
+    (listed,) = rest.list_checkpoints(saving.model_id).result(timeout=30).checkpoints
+    assert (listed.tinker_path, listed.checkpoint_type, listed.user_metadata) == (
+        path,
+        "training",
+        {"step": "2"},
+    )
+    assert listed.size_bytes > 0
+
+
+def test_named_sampler_weights_sample_as_the_snapshot_and_are_listed(base_url, service_client, tiny_model):
+    _, tokenizer = tiny_model
+    client = training_client(service_client)
+    sft_steps(client, sft_data(tokenizer), 2)
+    path = client.save_weights_for_sampler("two-steps").result(timeout=60).path
+    assert path == f"tinker://{client.model_id}/sampler_weights/two-steps"
+    prompt = types.ModelInput.from_ints(tokenizer("50+25=", add_special_tokens=False)["input_ids"])
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+    saved = (
+        service_client.create_sampling_client(model_path=path)
+        .result(timeout=60)
+        .sample(prompt, 1, greedy)
+        .result(timeout=60)
+    )
+    snapshot = (
+        client.save_weights_and_get_sampling_client()
+        .result(timeout=60)
+        .sample(prompt, 1, greedy)
+        .result(timeout=60)
+    )
+    assert saved.sequences[0].tokens == snapshot.sequences[0].tokens
+    torch.testing.assert_close(saved.sequences[0].logprobs, snapshot.sequences[0].logprobs, atol=1e-5, rtol=0)
+    base = (
+        service_client.create_sampling_client(base_model=BASE)
+        .result(timeout=60)
+        .sample(prompt, 1, greedy)
+        .result(timeout=60)
+    )
+    assert base.sequences[0].logprobs != snapshot.sequences[0].logprobs
+
+    rest = tinker.RestClient(base_url=base_url, api_key="tml-local")
+    listed = rest.list_checkpoints(client.model_id).result(timeout=30).checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [
+        ("sampler_weights/two-steps", "sampler")
+    ]
+    assert path in [c.tinker_path for c in rest.list_user_checkpoints().result(timeout=30).checkpoints]
+    rest.delete_checkpoint(client.model_id, "sampler_weights/two-steps").result(timeout=30)
+    assert rest.list_checkpoints(client.model_id).result(timeout=30).checkpoints == []
+    with pytest.raises(tinker.NotFoundError, match="model_path: no checkpoint"):
+        service_client.create_sampling_client(model_path=path).result(timeout=60)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:DEPRECATED. TrainingClient.load_state:FutureWarning"
+)  # still called by users
+def test_checkpoint_mistakes_are_refused_in_one_line(base_url, service_client):
+    client = training_client(service_client)
+    path = client.save_state("once").result(timeout=60).path
+    with pytest.raises(
+        tinker.TinkerError, match=r"path: tinker://\S+/weights/once exists \(save with overwrite=True"
+    ):
+        client.save_state("once").result(timeout=60)
+    client.save_state("once", overwrite=True).result(timeout=60)
+    other_rank = service_client.create_lora_training_client(base_model=BASE, rank=4).result(timeout=60)
+    with pytest.raises(
+        tinker.TinkerError, match="holds an adapter made as .*rank=8.*not as this client's .*rank=4"
+    ):
+        other_rank.load_state(path).result(timeout=60)
+    with pytest.raises(tinker.TinkerError, match=r"path: no checkpoint tinker://nobody/weights/none in "):
+        client.load_state("tinker://nobody/weights/none").result(timeout=60)
+    rest = tinker.RestClient(base_url=base_url, api_key="tml-local")
+    with pytest.raises(tinker.BadRequestError, match=r"tinker_path: 'tinker://x/y' is not a checkpoint path"):
+        rest.get_weights_info_by_tinker_path("tinker://x/y").result(timeout=30)
+
+
+def test_get_tokenizer_and_compute_logprobs_work_offline(service_client, tiny_model):
+    model, tokenizer = tiny_model
+    client = training_client(service_client)
+    served_tokenizer = client.get_tokenizer()  # from the server's storage folder: no hub
+    assert served_tokenizer("12+34=46")["input_ids"] == tokenizer("12+34=46")["input_ids"]
+
+    tokens = tokenizer("12+34=46", add_special_tokens=False)["input_ids"]
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1]
+    expected, _ = selective_log_softmax(logits, torch.tensor(tokens[1:]))
+    assert scored[0] is None and len(scored) == len(tokens)
+    torch.testing.assert_close(torch.tensor(scored[1:]), expected, atol=1e-5, rtol=0)
+    last_two = sampler.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=2)
+    last_two = last_two.result(timeout=60)
+    assert last_two[:-2] == [None] * (len(tokens) - 2)
+    assert last_two[-2:] == pytest.approx(scored[-2:], abs=1e-6)

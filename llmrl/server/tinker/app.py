@@ -4,7 +4,9 @@ them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
@@ -12,11 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 
 from llmrl.server.common import DEFAULT_HOST, error_response, run_server, secure_app
+from llmrl.server.tinker.checkpoints import delete_checkpoint, list_checkpoints
 from llmrl.server.tinker.service import TinkerService
 from llmrl.server.tinker.wire import (
     Refused,
     generation_args,
     parse_forward_backward,
+    prompt_logprobs,
     sample_response,
     validated,
 )
@@ -24,11 +28,10 @@ from llmrl.types import InferenceRequest
 
 MIB = 1024**2
 # The SDK's calls this server does not do yet, by route, so that the refusal names the call.
+log = logging.getLogger(__name__)
+
 NOT_SERVED_YET = {
-    "/api/v1/save_weights": "TrainingClient.save_state",
-    "/api/v1/load_weights": "TrainingClient.load_state / ServiceClient.create_training_client_from_state",
     "/api/v1/save_weights_external": "TrainingClient.save_weights_external",
-    "/api/v1/create_sampling_session": "ServiceClient.create_sampling_client (a saved path or a base model)",
     "/api/v1/join_sampling_session": "an unpickled SamplingClient",
     "/api/v1/retrieve_futures": "the session futures poller",
     "/api/v1/create_custom_loss": "ServiceClient.create_custom_loss",
@@ -125,14 +128,67 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
     async def save_weights_for_sampler(request: Request) -> dict:
         body = validated(types.SaveWeightsForSamplerRequest, await request.body())
         trained = service.model(body.model_id)
-        if body.path is not None or body.sampling_session_seq_id is None:
-            raise Refused(
-                404,
-                "save_weights_for_sampler(name=...) is not served yet: use save_weights_and_get_sampling_client",
-            )
+        if (body.path is None) == (body.sampling_session_seq_id is None):
+            raise Refused(400, "path: give a name or a sampling_session_seq_id, one of them")
         if body.kind != "snapshot":
             raise Refused(400, f"kind: only snapshot samplers are served, got {body.kind!r}")
         return service.submit(lambda: service.save_for_sampler(trained, body), trained.model_id)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> dict:
+        body = validated(types.SaveWeightsRequest, await request.body())
+        trained = service.model(body.model_id)
+        service.checkpoint_path(trained, "weights", body.path)
+        return service.submit(lambda: service.save_state(trained, body), trained.model_id)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict:
+        body = validated(types.LoadWeightsRequest, await request.body())
+        if body.model_id is not None:
+            service.model(body.model_id)
+        return service.submit(lambda: service.load_state(body), body.model_id)
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        body = validated(types.CreateSamplingSessionRequest, await request.body())
+        service.check_session(body.session_id)
+        if (body.model_path is None) == (body.base_model is None):
+            raise Refused(400, "model_path: give a checkpoint path or a base_model, one of them")
+        if body.base_model is not None:
+            service.check_base(body.base_model, "base_model")
+        # Loading a checkpoint takes a while: off the event loop, in line with the model work.
+        sampler_id = await asyncio.get_running_loop().run_in_executor(
+            service.worker, lambda: service.create_sampling_session(body)
+        )
+        return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump()
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request) -> dict:
+        body = await request.json() if await request.body() else {}
+        tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
+        if not isinstance(tinker_path, str):
+            raise Refused(422, "tinker_path: required, a string")
+        return service.weights_info(tinker_path).model_dump(mode="json", exclude_none=True)
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def run_checkpoints(run_id: str) -> dict:
+        return types.CheckpointsListResponse(
+            checkpoints=list_checkpoints(service.storage, run_id)
+        ).model_dump(mode="json", exclude_none=True)
+
+    @app.get("/api/v1/checkpoints")
+    async def all_checkpoints(limit: int = 100, offset: int = 0) -> dict:
+        checkpoints = list_checkpoints(service.storage)
+        page = checkpoints[offset : offset + limit]
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(checkpoints))
+        return types.CheckpointsListResponse(checkpoints=page, cursor=cursor).model_dump(
+            mode="json", exclude_none=True
+        )
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def remove_checkpoint(run_id: str, checkpoint_id: str) -> dict:
+        delete_checkpoint(service.storage, run_id, checkpoint_id)
+        return {}
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str) -> dict:
@@ -148,7 +204,6 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
         asked = [
             name
             for name, value in (
-                ("prompt_logprobs", body.prompt_logprobs),
                 ("topk_prompt_logprobs", body.topk_prompt_logprobs),
                 ("topk_sample_logprobs", body.topk_sample_logprobs),
                 ("target_prompt_logprobs", body.target_prompt_logprobs),
@@ -158,9 +213,7 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
             if value
         ]
         if asked:
-            raise Refused(
-                404, f"{asked[0]}: not served yet (SamplingClient.compute_logprobs and top-k among them)"
-            )
+            raise Refused(404, f"{asked[0]}: not served yet (top-k logprobs and the like)")
         try:
             prompt = body.prompt.to_ints()
         except ValueError:
@@ -180,12 +233,22 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
             generation_args=generation_args(body.sampling_params),
         )
 
+        last_n = body.prompt_logprobs_last_n
+        if last_n is not None and not (body.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
+            raise Refused(
+                400,
+                f"prompt_logprobs_last_n: must be in 1..{len(prompt) - 1} with prompt_logprobs, got {last_n}",
+            )
+
         async def sample() -> bytes:
             try:
                 responses = await sampler.engine.agenerate(inference)
             except ValueError as exc:  # the engine's verdict on this request (too long, ...)
                 raise Refused(400, str(exc)) from None
-            return sample_response(responses)
+            if not body.prompt_logprobs:
+                return sample_response(responses)
+            scored = await asyncio.to_thread(sampler.engine.prompt_logprobs, prompt, 1)
+            return sample_response(responses, prompt_logprobs(scored.token_logprobs, last_n))
 
         request_id = uuid.uuid4().hex
         service.futures[request_id] = asyncio.ensure_future(sample())
@@ -217,15 +280,19 @@ def serve_tinker(
     port: int = 8000,
     lora_rank_max: int = 64,
     seed: int = 0,
+    storage: Path = Path("tinker_storage"),
 ) -> None:
-    """Serve the Tinker API over `model_specs` (on the GPU when there is one) until interrupted."""
+    """Serve the Tinker API over `model_specs` (on the GPU when there is one) until interrupted; saved
+    states live in `storage`."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     service = TinkerService(
         base_specs=list(model_specs),
         lora_rank_max=lora_rank_max,
         device=device,
+        storage=storage,
         seed=seed,
     )
+    log.info("checkpoints and tokenizers in %s", storage.resolve())
     for spec in model_specs:  # loaded before the first request: a bad spec fails the command, not a call
         service.load_base(spec)
     try:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +24,15 @@ from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.packing import build_batch, pack, unpack
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.kv_cache import max_positions
+from llmrl.server.tinker.checkpoints import (
+    AdapterRecord,
+    CheckpointPath,
+    adapter_record,
+    checkpoint_folder,
+    load_adapter,
+    load_optimizer,
+    save_checkpoint,
+)
 from llmrl.server.tinker.losses import tinker_loss
 from llmrl.server.tinker.wire import PROTOBUF, ForwardBackwardCall, Refused, forward_backward_output
 
@@ -43,8 +55,7 @@ class TrainedModel:
     """One training client: a LoRA adapter over its own copy of a base model, and its AdamW."""
 
     model_id: str
-    base_model: str
-    rank: int
+    adapter: AdapterRecord
     peft_model: Any
     tokenizer: Any
     optimizer: torch.optim.AdamW
@@ -52,6 +63,10 @@ class TrainedModel:
     @property
     def config(self) -> Any:
         return self.peft_model.get_base_model().config
+
+    @property
+    def base_model(self) -> str:
+        return self.adapter.base_model
 
 
 @dataclass
@@ -69,13 +84,15 @@ class TinkerService:
     base_specs: list[str]
     lora_rank_max: int
     device: str
+    storage: Path
+    """The folder of checkpoints (`llmrl.server.tinker.checkpoints`) and of the base models' tokenizers."""
     seed: int = 0
     sessions: set[str] = field(default_factory=set)
     models: dict[str, TrainedModel] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
     futures: dict[str, asyncio.Future] = field(default_factory=dict)
     _bases: dict[str, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
-    _worker: ThreadPoolExecutor = field(
+    worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-tinker")
     )
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -85,7 +102,7 @@ class TinkerService:
     def submit(self, work: Callable[[], Any], model_id: str | None = None) -> dict[str, Any]:
         """Queue `work` on the worker (model work runs one call at a time, in arrival order)."""
         request_id = uuid.uuid4().hex
-        self.futures[request_id] = asyncio.get_running_loop().run_in_executor(self._worker, work)
+        self.futures[request_id] = asyncio.get_running_loop().run_in_executor(self.worker, work)
         return types.UntypedAPIFuture(request_id=request_id, model_id=model_id).model_dump(exclude_none=True)
 
     async def retrieve(self, request_id: str) -> Response:
@@ -123,64 +140,90 @@ class TinkerService:
     def check_new_model(self, request: types.CreateModelRequest) -> None:
         """Refuse what `create_model` cannot do before a future is made for it."""
         self.check_session(request.session_id)
-        if request.base_model not in self.base_specs:
-            raise Refused(
-                400, f"base_model: {request.base_model!r} is not served here (served: {self.base_specs})"
-            )
+        self.check_base(request.base_model, "base_model")
         lora = request.lora_config
         if lora is None:
             raise Refused(400, "lora_config: required (full fine-tuning is not served)")
         if not 1 <= lora.rank <= self.lora_rank_max:
             raise Refused(400, f"lora_config.rank: must be in 1..{self.lora_rank_max}, got {lora.rank}")
-        if not isinstance(request.optimizer_config, types.AdamOptimizerConfig):
-            raise Refused(
-                400, f"optimizer_config: only adamw is served, got {request.optimizer_config.type!r}"
-            )
+        self.check_optimizer(request.optimizer_config)
+
+    def check_base(self, base_model: str, field_name: str) -> None:
+        if base_model not in self.base_specs:
+            raise Refused(400, f"{field_name}: {base_model!r} is not served here (served: {self.base_specs})")
+
+    @staticmethod
+    def check_optimizer(optimizer_config: Any) -> None:
+        if optimizer_config is not None and not isinstance(optimizer_config, types.AdamOptimizerConfig):
+            raise Refused(400, f"optimizer_config: only adamw is served, got {optimizer_config.type!r}")
 
     def create_model(self, request: types.CreateModelRequest) -> types.CreateModelResponse:
-        import peft
-
         lora = request.lora_config
         assert lora is not None
-        base, tokenizer = self.load_base(request.base_model)
+        adapter = AdapterRecord(
+            base_model=request.base_model,
+            rank=lora.rank,
+            train_mlp=lora.train_mlp,
+            train_attn=lora.train_attn,
+            train_unembed=lora.train_unembed,
+        )
+        model_id = f"{request.session_id}:train:{request.model_seq_id}"
+        self.new_trained_model(model_id, adapter, self.seed if lora.seed is None else lora.seed)
+        return types.CreateModelResponse(model_id=model_id)
+
+    def new_trained_model(self, model_id: str, adapter: AdapterRecord, seed: int) -> TrainedModel:
+        """A training client `model_id`: a new adapter on its own copy of the base, and its AdamW."""
+        peft_model, tokenizer = self.adapted_base(adapter, seed)
+        trainable = [p for p in peft_model.parameters() if p.requires_grad]
+        for parameter in trainable:
+            parameter.data = parameter.data.float()
+        optimizer = torch.optim.AdamW(trainable, lr=types.AdamParams().learning_rate)
+        trained = TrainedModel(model_id, adapter, peft_model, tokenizer, optimizer)
+        with self._lock:
+            self.models[model_id] = trained
+        return trained
+
+    def adapted_base(self, adapter: AdapterRecord, seed: int) -> tuple[Any, Any]:
+        """A PEFT LoRA adapter as `adapter` describes, over a copy of its base model, and the tokenizer."""
+        import peft
+
+        base, tokenizer = self.load_base(adapter.base_model)
         model = copy.deepcopy(base)
         targets = [
-            *(ATTENTION_MODULES if lora.train_attn else ()),
-            *(MLP_MODULES if lora.train_mlp else ()),
-            *(UNEMBED_MODULES if lora.train_unembed else ()),
+            *(ATTENTION_MODULES if adapter.train_attn else ()),
+            *(MLP_MODULES if adapter.train_mlp else ()),
+            *(UNEMBED_MODULES if adapter.train_unembed else ()),
         ]
-        if lora.train_unembed and model.config.tie_word_embeddings:
+        if adapter.train_unembed and model.config.tie_word_embeddings:
             # The head's adapter must not reach the input embedding when it is merged for sampling.
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
             model.config.tie_word_embeddings = False
         config = peft.LoraConfig(
-            r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=targets, task_type="CAUSAL_LM"
+            r=adapter.rank, lora_alpha=LORA_ALPHA, target_modules=targets, task_type="CAUSAL_LM"
         )
         # peft draws A from torch's global generator: the seed makes the adapter reproducible.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed if lora.seed is None else lora.seed)
-            peft_model = peft.get_peft_model(model, config)
-        trainable = [p for p in peft_model.parameters() if p.requires_grad]
-        for parameter in trainable:
-            parameter.data = parameter.data.float()
-        model_id = f"{request.session_id}:train:{request.model_seq_id}"
-        optimizer = torch.optim.AdamW(trainable, lr=types.AdamParams().learning_rate)
-        with self._lock:
-            self.models[model_id] = TrainedModel(
-                model_id, request.base_model, lora.rank, peft_model, tokenizer, optimizer
-            )
-        return types.CreateModelResponse(model_id=model_id)
+            torch.manual_seed(seed)
+            return peft.get_peft_model(model, config), tokenizer
 
     def load_base(self, spec: str) -> tuple[torch.nn.Module, Any]:
-        """The base model of `spec`, loaded once; each trained model deep-copies it."""
+        """The base model of `spec`, loaded once (each trained model deep-copies it); its tokenizer is
+        saved in the storage folder, where the SDK's ``get_tokenizer`` loads it from."""
         if spec not in self._bases:
             from llmrl.models import load_model
 
             model, tokenizer = load_model(spec, device=self.device)
             for parameter in model.parameters():
                 parameter.requires_grad_(False)
+            tokenizer.save_pretrained(self.tokenizer_folder(spec))
             self._bases[spec] = (model, tokenizer)
         return self._bases[spec]
+
+    def tokenizer_folder(self, spec: str) -> Path:
+        readable = re.sub(r"[^A-Za-z0-9._-]+", "_", spec).strip("_")
+        return (
+            self.storage / "tokenizers" / f"{readable}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+        ).resolve()
 
     def model(self, model_id: str) -> TrainedModel:
         trained = self.models.get(model_id)
@@ -197,9 +240,11 @@ class TinkerService:
         trained = self.model(model_id)
         return types.GetInfoResponse(
             model_id=model_id,
-            model_data=types.ModelData(model_name=trained.base_model),
+            model_data=types.ModelData(
+                model_name=trained.base_model, tokenizer_id=str(self.tokenizer_folder(trained.base_model))
+            ),
             is_lora=True,
-            lora_rank=trained.rank,
+            lora_rank=trained.adapter.rank,
             model_name=trained.base_model,
         )
 
@@ -253,17 +298,120 @@ class TinkerService:
 
     # -- sampling --------------------------------------------------------------------------------
 
+    # -- checkpoints and samplers ------------------------------------------------------------------
+
+    def save_state(
+        self, trained: TrainedModel, request: types.SaveWeightsRequest
+    ) -> types.SaveWeightsResponse:
+        """``save_state``: the adapter and its optimizer's state under ``tinker://RUN/weights/NAME``."""
+        path = self.checkpoint_path(trained, "weights", request.path)
+        save_checkpoint(
+            path,
+            self.storage,
+            peft_model=trained.peft_model,
+            adapter=trained.adapter,
+            optimizer=trained.optimizer,
+            user_metadata=request.user_metadata,
+            overwrite=request.overwrite,
+        )
+        return types.SaveWeightsResponse(path=path.tinker_path)
+
+    def checkpoint_path(self, trained: TrainedModel, kind: str, name: str | None) -> CheckpointPath:
+        if not name:
+            raise Refused(400, "path: a checkpoint name is required")
+        return CheckpointPath.of(trained.model_id, kind, name, field="path")
+
+    def load_state(self, request: types.LoadWeightsRequest) -> types.LoadWeightsResponse:
+        """``load_state`` into a training client, or ``create_training_client_from_state``: a new client
+        made as the checkpoint's adapter was, then loaded. With ``optimizer`` the AdamW state too."""
+        path = CheckpointPath.parse(request.path, "path")
+        folder = checkpoint_folder(path, self.storage, "path")
+        saved = adapter_record(folder)
+        if request.model_id is not None:
+            trained = self.model(request.model_id)
+            if trained.adapter != saved:
+                raise Refused(
+                    400,
+                    f"path: {request.path} holds an adapter made as {saved}, not as this client's {trained.adapter}",
+                )
+        else:
+            if request.session_id is None or request.model_seq_id is None:
+                raise Refused(
+                    400, "model_id: required (or session_id and model_seq_id for a new training client)"
+                )
+            self.check_session(request.session_id)
+            if request.base_model is not None and request.base_model != saved.base_model:
+                raise Refused(
+                    400,
+                    f"base_model: {request.base_model!r} differs from the checkpoint's {saved.base_model!r}",
+                )
+            self.check_base(saved.base_model, "path")
+            self.check_optimizer(request.optimizer_config)
+            model_id = f"{request.session_id}:train:{request.model_seq_id}"
+            trained = self.new_trained_model(model_id, saved, self.seed)
+        load_adapter(trained.peft_model, folder)
+        if request.optimizer:
+            load_optimizer(trained.optimizer, folder, request.path)
+        return types.LoadWeightsResponse(path=request.path, model_id=trained.model_id)
+
     def save_for_sampler(
         self, trained: TrainedModel, request: types.SaveWeightsForSamplerRequest
     ) -> types.SaveWeightsForSamplerResponseInternal:
-        """A snapshot of the adapter merged into a copy of its base, served by an engine of its own."""
+        """A named sampler checkpoint (``tinker://RUN/sampler_weights/NAME``), or an unnamed snapshot
+        served at once: the adapter merged into a copy of its base, with an engine of its own."""
+        if request.path is not None:
+            path = self.checkpoint_path(trained, "sampler_weights", request.path)
+            save_checkpoint(
+                path,
+                self.storage,
+                peft_model=trained.peft_model,
+                adapter=trained.adapter,
+                optimizer=None,
+                user_metadata=request.user_metadata,
+                overwrite=True,
+            )
+            return types.SaveWeightsForSamplerResponseInternal(path=path.tinker_path)
         merged = copy.deepcopy(trained.peft_model).merge_and_unload()
-        engine = LocalEngine(merged, trained.tokenizer, seed=self.seed, owns_model=True)
         session_id = trained.model_id.split(":train:")[0]
         sampler_id = f"{session_id}:sample:{request.sampling_session_seq_id}"
-        with self._lock:
-            self.samplers[sampler_id] = Sampler(trained.base_model, engine)
+        self.add_sampler(sampler_id, trained.base_model, merged, trained.tokenizer)
         return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
+
+    def create_sampling_session(self, request: types.CreateSamplingSessionRequest) -> str:
+        """``create_sampling_client``: a sampler of a saved checkpoint (`model_path`) or of a base model."""
+        sampler_id = f"{request.session_id}:sample:{request.sampling_session_seq_id}"
+        if request.model_path is not None:
+            folder = checkpoint_folder(
+                CheckpointPath.parse(request.model_path, "model_path"), self.storage, "model_path"
+            )
+            saved = adapter_record(folder)
+            self.check_base(saved.base_model, "model_path")
+            peft_model, tokenizer = self.adapted_base(saved, self.seed)
+            load_adapter(peft_model, folder)
+            self.add_sampler(sampler_id, saved.base_model, peft_model.merge_and_unload(), tokenizer)
+        else:
+            assert request.base_model is not None
+            base, tokenizer = self.load_base(request.base_model)
+            self.add_sampler(sampler_id, request.base_model, copy.deepcopy(base), tokenizer)
+        return sampler_id
+
+    def add_sampler(self, sampler_id: str, base_model: str, model: torch.nn.Module, tokenizer: Any) -> None:
+        engine = LocalEngine(model, tokenizer, seed=self.seed, owns_model=True)
+        with self._lock:
+            self.samplers[sampler_id] = Sampler(base_model, engine)
+
+    def weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
+        saved = adapter_record(
+            checkpoint_folder(CheckpointPath.parse(tinker_path, "tinker_path"), self.storage, "tinker_path")
+        )
+        return types.WeightsInfoResponse(
+            base_model=saved.base_model,
+            is_lora=True,
+            lora_rank=saved.rank,
+            train_mlp=saved.train_mlp,
+            train_attn=saved.train_attn,
+            train_unembed=saved.train_unembed,
+        )
 
     def sampler(self, sampler_id: str | None) -> Sampler:
         sampler = self.samplers.get(sampler_id or "")
@@ -284,6 +432,6 @@ class TinkerService:
             engine.close()
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self.worker.shutdown(wait=True, cancel_futures=True)
         for sampler in self.samplers.values():
             sampler.engine.close()

@@ -198,8 +198,9 @@ def generation_args(params: types.SamplingParams) -> GenerationArgs:
         raise Refused(400, "sampling_params." + validation_problems(exc.errors())) from None
 
 
-def sample_response(responses: list[Any]) -> bytes:
-    """The SDK's protobuf ``SampleResponse``: each sample's tokens, logprobs and why it stopped."""
+def sample_response(responses: list[Any], prompt_logprobs: np.ndarray | None = None) -> bytes:
+    """The SDK's protobuf ``SampleResponse``: each sample's tokens, logprobs and why it stopped, and the
+    prompt's logprobs where they were asked for."""
     sequences = [
         proto.SampledSequence(
             stop_reason=proto.STOP_REASON_LENGTH
@@ -212,7 +213,17 @@ def sample_response(responses: list[Any]) -> bytes:
         )
         for response in responses
     ]
-    return proto.SampleResponse(sequences=sequences).SerializeToString()
+    scored = None if prompt_logprobs is None else prompt_logprobs.astype(np.float32).tobytes()
+    return proto.SampleResponse(sequences=sequences, prompt_logprobs=scored).SerializeToString()
+
+
+def prompt_logprobs(token_logprobs: torch.Tensor, last_n: int | None) -> np.ndarray:
+    """Each prompt token's logprob as the SDK reads them: NaN (None to the caller) for the first token,
+    which nothing predicts, and before the last `last_n` where only those were asked for."""
+    values = np.concatenate([[np.nan], token_logprobs.numpy()])
+    if last_n is not None:
+        values[: len(values) - last_n] = np.nan
+    return values
 
 
 def validated(model: type[BaseModel], body: bytes) -> Any:
