@@ -280,6 +280,7 @@ def cmd_serve_tinker(args: argparse.Namespace) -> int:
         lora_rank_max=args.lora_rank_max,
         seed=args.seed,
         storage=Path(args.storage),
+        max_samplers=args.max_samplers,
     )
     return 0
 
@@ -443,6 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage",
         default="tinker_storage",
         help="folder of saved states and sampler weights, kept across restarts (default ./tinker_storage)",
+    )
+    serve_tinker.add_argument(
+        "--max-samplers",
+        type=int,
+        default=4,
+        help="samplers a session keeps, each a copy of its model; the least recently used goes (default 4)",
     )
 
     export = command(

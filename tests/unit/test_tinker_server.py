@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import time
 
 import httpx
 import pytest
@@ -584,3 +585,42 @@ def test_get_tokenizer_and_compute_logprobs_work_offline(service_client, tiny_mo
     last_two = last_two.result(timeout=60)
     assert last_two[:-2] == [None] * (len(tokens) - 2)
     assert last_two[-2:] == pytest.approx(scored[-2:], abs=1e-6)
+
+
+def test_a_session_keeps_its_most_recently_used_samplers(base_url, tinker_service, monkeypatch, tiny_model):
+    _, tokenizer = tiny_model
+    monkeypatch.setattr(tinker_service, "max_samplers", 2)
+    session = tinker.ServiceClient(base_url=base_url, api_key="tml-local")
+    prompt = types.ModelInput.from_ints(tokenizer("7+8=", add_special_tokens=False)["input_ids"])
+    params = types.SamplingParams(max_tokens=2, temperature=0.0)
+
+    def new_sampler():
+        return session.create_sampling_client(base_model=BASE).result(timeout=60)
+
+    first, second = new_sampler(), new_sampler()
+    first.sample(prompt, 1, params).result(timeout=60)  # now the most recently used
+    third = new_sampler()
+    assert len(first.sample(prompt, 1, params).result(timeout=60).sequences) == 1
+    assert len(third.sample(prompt, 1, params).result(timeout=60).sequences) == 1
+    with pytest.raises(tinker.NotFoundError, match=r"was released: a session keeps its 2 most recently used"):
+        second.sample(prompt, 1, params).result(timeout=60)
+    session.close("success").result(timeout=30)
+
+
+def test_a_future_is_forgotten_after_its_result_was_answered(base_url, monkeypatch):
+    monkeypatch.setattr("llmrl.server.tinker.service.FUTURE_KEEP_S", 0.2)
+    new_session = types.CreateSessionRequest(tags=[], user_metadata=None, sdk_version="0")
+    session = httpx.post(f"{base_url}/api/v1/create_session", json=new_session.model_dump(mode="json")).json()
+    create = types.CreateModelRequest(
+        session_id=session["session_id"],
+        model_seq_id=0,
+        base_model=BASE,
+        lora_config=types.LoraConfig(rank=2),
+    ).model_dump(mode="json")
+    request_id = httpx.post(f"{base_url}/api/v1/create_model", json=create).json()["request_id"]
+    answered = httpx.post(f"{base_url}/api/v1/retrieve_future", json={"request_id": request_id}, timeout=60)
+    assert "model_id" in answered.json()
+    time.sleep(0.5)
+    forgotten = httpx.post(f"{base_url}/api/v1/retrieve_future", json={"request_id": request_id})
+    assert forgotten.status_code == 404
+    assert "a result is kept 0 s after it was first answered" in forgotten.json()["error"]["message"]

@@ -251,7 +251,7 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
             return sample_response(responses, prompt_logprobs(scored.token_logprobs, last_n))
 
         request_id = uuid.uuid4().hex
-        service.futures[request_id] = asyncio.ensure_future(sample())
+        service.futures[request_id] = asyncio.ensure_future(sample())  # forgotten as `retrieve` says
         return types.UntypedAPIFuture(
             request_id=request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(body.num_samples)]
         ).model_dump(exclude_none=True)
@@ -281,6 +281,7 @@ def serve_tinker(
     lora_rank_max: int = 64,
     seed: int = 0,
     storage: Path = Path("tinker_storage"),
+    max_samplers: int = 4,
 ) -> None:
     """Serve the Tinker API over `model_specs` (on the GPU when there is one) until interrupted; saved
     states live in `storage`."""
@@ -291,6 +292,7 @@ def serve_tinker(
         device=device,
         storage=storage,
         seed=seed,
+        max_samplers=max_samplers,
     )
     log.info("checkpoints and tokenizers in %s", storage.resolve())
     for spec in model_specs:  # loaded before the first request: a bad spec fails the command, not a call

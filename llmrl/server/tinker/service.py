@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 RETRIEVE_WAIT_S = 20.0
 """How long ``retrieve_future`` holds a poll open before answering ``try_again`` (the SDK waits 45 s)."""
+FUTURE_KEEP_S = 600.0
+"""How long a finished future stays retrievable after its result was first answered (a client that lost
+the answer asks again at once; nothing asks ten minutes later)."""
 PACKED_ROW_TOKENS = 4096
 """Tokens per packed row of a ``forward_backward`` batch (a longer datum gets a row of its own)."""
 
@@ -87,10 +90,13 @@ class TinkerService:
     storage: Path
     """The folder of checkpoints (`llmrl.server.tinker.checkpoints`) and of the base models' tokenizers."""
     seed: int = 0
+    max_samplers: int = 4
+    """Samplers a session keeps (each a merged copy of a model): the least recently used goes first."""
     sessions: set[str] = field(default_factory=set)
     models: dict[str, TrainedModel] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
     futures: dict[str, asyncio.Future] = field(default_factory=dict)
+    released_samplers: set[str] = field(default_factory=set)
     _bases: dict[str, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-tinker")
@@ -108,7 +114,11 @@ class TinkerService:
     async def retrieve(self, request_id: str) -> Response:
         future = self.futures.get(request_id)
         if future is None:
-            raise Refused(404, f"request_id: no future {request_id!r} on this server")
+            raise Refused(
+                404,
+                f"request_id: no future {request_id!r} on this server (a result is kept {FUTURE_KEEP_S:.0f} s "
+                "after it was first answered)",
+            )
         try:
             result = await asyncio.wait_for(asyncio.shield(future), RETRIEVE_WAIT_S)
         except TimeoutError:
@@ -123,6 +133,9 @@ class TinkerService:
                 error=f"{type(exc).__name__}: {exc}", category=types.RequestErrorCategory.Server
             )
             return JSONResponse(failed.model_dump(mode="json"))
+        finally:
+            if future.done():
+                asyncio.get_running_loop().call_later(FUTURE_KEEP_S, self.futures.pop, request_id, None)
         if isinstance(result, bytes):
             return Response(result, media_type=PROTOBUF)
         return JSONResponse(result.model_dump(mode="json", exclude_none=True))
@@ -396,9 +409,18 @@ class TinkerService:
         return sampler_id
 
     def add_sampler(self, sampler_id: str, base_model: str, model: torch.nn.Module, tokenizer: Any) -> None:
+        """Serve `model` as `sampler_id`; past `max_samplers` in its session, the least recently used
+        sampler is released."""
         engine = LocalEngine(model, tokenizer, seed=self.seed, owns_model=True)
+        session_prefix = sampler_id.split(":sample:")[0] + ":"
         with self._lock:
             self.samplers[sampler_id] = Sampler(base_model, engine)
+            in_session = [s for s in self.samplers if s.startswith(session_prefix)]  # least recent first
+            released = in_session[: max(0, len(in_session) - self.max_samplers)]
+            engines = [self.samplers.pop(old).engine for old in released]
+            self.released_samplers.update(released)
+        for old_engine in engines:
+            old_engine.close()
 
     def weights_info(self, tinker_path: str) -> types.WeightsInfoResponse:
         saved = adapter_record(
@@ -414,7 +436,17 @@ class TinkerService:
         )
 
     def sampler(self, sampler_id: str | None) -> Sampler:
-        sampler = self.samplers.get(sampler_id or "")
+        """The sampler `sampler_id`, now the most recently used of its session."""
+        with self._lock:
+            sampler = self.samplers.pop(sampler_id or "", None)
+            if sampler is not None:
+                self.samplers[sampler_id or ""] = sampler
+        if sampler is None and sampler_id in self.released_samplers:
+            raise Refused(
+                404,
+                f"sampling_session_id: sampler {sampler_id!r} was released: a session keeps its "
+                f"{self.max_samplers} most recently used samplers (--max-samplers)",
+            )
         if sampler is None:
             raise Refused(404, f"sampling_session_id: no sampler {sampler_id!r} on this server")
         return sampler
