@@ -180,9 +180,6 @@ class RouteReplay:
         self.differing.zero_()
         return counts
 
-    def pop_metrics(self) -> dict[str, float]:
-        return self.pop_counts().shares()
-
 
 @dataclasses.dataclass(frozen=True)
 class RouteCounts:

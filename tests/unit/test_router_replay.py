@@ -67,12 +67,12 @@ def test_replaying_a_forwards_own_routes_is_that_forward_bitwise(family, dtype):
     with torch.no_grad(), replay.routes(routes, replay=True):
         again = model(input_ids=ids).logits
     assert torch.equal(again, logits)
-    assert replay.pop_metrics() == {
+    assert replay.pop_counts().shares() == {
         "routing/differs_any_layer": 0.0,
         "routing/differs_layer_0": 0.0,
         "routing/differs_layer_1": 0.0,
     }
-    assert replay.pop_metrics() == {}
+    assert replay.pop_counts().shares() == {}
 
 
 def moved_gate(model, scale: float = 0.02) -> None:
@@ -94,12 +94,12 @@ def test_with_a_moved_gate_replay_keeps_the_recorded_experts(family):
     replay = RouteReplay(model)
     with torch.no_grad(), replay.routes(routes, replay=False):
         live = model(input_ids=ids).logits
-    observed = replay.pop_metrics()
+    observed = replay.pop_counts().shares()
     assert observed["routing/differs_any_layer"] > 0.1, observed
     with torch.no_grad(), replay.routes(routes, replay=True), RouteRecorder(model) as used:
         replayed = model(input_ids=ids).logits
     assert torch.equal(used.take(), routes)  # the experts the forward ran are the recorded ones
-    assert replay.pop_metrics() == observed  # the live top k differs as much either way
+    assert replay.pop_counts().shares() == observed  # the live top k differs as much either way
     live_gap = (logprobs(live, ids) - logprobs(sampled, ids)).abs().max()
     replay_gap = (logprobs(replayed, ids) - logprobs(sampled, ids)).abs().max()
     # The gating weights still follow the moved gate; the experts no longer do (measured: 0.39 against
@@ -130,7 +130,7 @@ def test_unrecorded_tokens_route_live_and_are_not_counted():
     replay = RouteReplay(model)
     with torch.no_grad(), replay.routes(none, replay=True):
         assert torch.equal(model(input_ids=ids).logits, live)
-    assert replay.pop_metrics() == {}
+    assert replay.pop_counts().shares() == {}
 
 
 def test_activation_checkpointing_replays_and_counts_once():
@@ -148,7 +148,7 @@ def test_activation_checkpointing_replays_and_counts_once():
         out = model(input_ids=ids).logits
         out.float().sum().backward()  # the recomputation calls every router again
     torch.testing.assert_close(out, expected)
-    assert checkpointed.pop_metrics() == plain.pop_metrics()
+    assert checkpointed.pop_counts().shares() == plain.pop_counts().shares()
 
 
 def test_routes_of_another_shape_or_model_are_refused():
