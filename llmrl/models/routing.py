@@ -218,11 +218,12 @@ def routes_from_wire(wire: RoutedExperts) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.int16))
 
 
-def routes_for(wire: RoutedExperts | None, tokens: int, layers: int, k: int) -> torch.Tensor:
-    """The routes of a sequence of `tokens` tokens: those recorded (cut to `tokens`), then -1 (live)."""
+def routes_for(recorded: torch.Tensor | None, tokens: int, layers: int, k: int) -> torch.Tensor:
+    """The routes of a sequence of `tokens` tokens: those `recorded` (`routes_from_wire`, cut to
+    `tokens`), then -1 (live)."""
     routes = torch.full((tokens, layers, k), -1, dtype=ROUTE_DTYPE)
-    if wire is not None:
-        recorded = routes_from_wire(wire)[:tokens]
+    if recorded is not None:
+        recorded = recorded[:tokens]
         if tuple(recorded.shape[1:]) != (layers, k):
             raise ValueError(
                 f"recorded routes of {recorded.shape[1]} layers x top-{recorded.shape[2]}; the model has "

@@ -29,7 +29,14 @@ from llmrl.algorithms.packing import (
     unpack,
 )
 from llmrl.config import ConfigError, TrainingConfig
-from llmrl.models.routing import ROUTE_DTYPE, RouteCounts, RouteReplay, has_moe_routers, routes_for
+from llmrl.models.routing import (
+    ROUTE_DTYPE,
+    RouteCounts,
+    RouteReplay,
+    has_moe_routers,
+    routes_for,
+    routes_from_wire,
+)
 from llmrl.models.shape import ModelShape
 from llmrl.trainer.distributed import Distributed, ShardedCausalLM, split_by_tokens
 from llmrl.types import GenerationArgs, RoutedExperts
@@ -84,8 +91,9 @@ class ForwardPasses:
         self.policy = self.runnable(policy)
         self.sampling: float | SamplingParams = 1.0
         """The step's sampling options (`follow_sampling`)."""
-        self.routes: list[RoutedExperts | None] | None = None
-        """The step's sequences' recorded MoE routes (`follow_routes`); None: routers run live, unwatched."""
+        self.routes: list[torch.Tensor | None] | None = None
+        """The step's sequences' recorded MoE routes, ``[tokens, layers, k]`` each (`follow_routes`); None:
+        routers run live, unwatched."""
         self.replay_routes = training.router_replay is True
         self._route_replays: dict[int, RouteReplay | None] = {}
 
@@ -101,7 +109,8 @@ class ForwardPasses:
         """From now on the passes of a model with MoE layers route each sequence's tokens through its
         recorded experts (``training.router_replay: true``), or count where the live routers part from
         them (``observe``)."""
-        self.routes = list(routes)
+        # Decoded once here: every pass of the step (old logprobs, update, reference) reads them.
+        self.routes = [None if wire is None else routes_from_wire(wire) for wire in routes]
 
     @contextlib.contextmanager
     def routed(self, model: Model, packed: PackedBatch) -> Iterator[None]:
@@ -124,7 +133,7 @@ class ForwardPasses:
     def _routes_fit(self, replay: RouteReplay) -> bool:
         """Whether the step's routes are of `replay`'s model's MoE layers and top k (a dense model, or an
         MoE of another shape beside the policy, routes live)."""
-        recorded = next((wire for wire in self.routes or () if wire is not None), None)
+        recorded = next((routes for routes in self.routes or () if routes is not None), None)
         return recorded is None or tuple(recorded.shape[1:]) == (replay.layers, replay.top_k)
 
     def route_metrics(self) -> dict[str, float]:
@@ -269,7 +278,7 @@ class ForwardPasses:
 
 
 def packed_routes(
-    routes: Sequence[RoutedExperts | None], packed: PackedBatch, layers: int, top_k: int
+    routes: Sequence[torch.Tensor | None], packed: PackedBatch, layers: int, top_k: int
 ) -> torch.Tensor:
     """The recorded routes of `packed`'s tokens, ``[rows * length, layers, k]`` in the order the model
     reads them; -1 (live) on padding and past what was recorded."""

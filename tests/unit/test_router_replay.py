@@ -226,7 +226,7 @@ def replayed_one_by_one(model, responses, sequences, masks) -> list[torch.Tensor
     """Each sequence's completion logprobs in a forward of its own under its recorded routes."""
     out = []
     for response, ids, mask in zip(responses, sequences, masks, strict=True):
-        routes = routes_for(response.routed_experts, len(ids), 2, 2)
+        routes = routes_for(routes_from_wire(response.routed_experts), len(ids), 2, 2)
         with torch.no_grad(), RouteReplay(model).routes(routes, replay=True):
             logits = model(input_ids=torch.tensor([ids])).logits
         out.append(logprobs(logits, torch.tensor([ids]))[0][torch.tensor(mask[1:])])
