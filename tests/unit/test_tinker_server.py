@@ -624,3 +624,17 @@ def test_a_future_is_forgotten_after_its_result_was_answered(base_url, monkeypat
     forgotten = httpx.post(f"{base_url}/api/v1/retrieve_future", json={"request_id": request_id})
     assert forgotten.status_code == 404
     assert "a result is kept 0 s after it was first answered" in forgotten.json()["error"]["message"]
+
+
+def test_training_runs_are_listed_from_memory_and_storage(base_url, service_client):
+    client = training_client(service_client)
+    path = client.save_state("listed").result(timeout=60).path
+    rest = tinker.RestClient(base_url=base_url, api_key="tml-local")
+    run = rest.get_training_run(client.model_id).result(timeout=30)
+    assert (run.base_model, run.lora_rank, run.is_lora) == (BASE, 8, True)
+    assert run.last_checkpoint.tinker_path == path and run.last_sampler_checkpoint is None
+    listed = rest.list_training_runs(limit=100).result(timeout=30)
+    assert client.model_id in [r.training_run_id for r in listed.training_runs]
+    assert listed.cursor.total_count >= len(listed.training_runs)
+    with pytest.raises(tinker.NotFoundError, match="training_run_id: no training run 'nobody'"):
+        rest.get_training_run("nobody").result(timeout=30)

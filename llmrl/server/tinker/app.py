@@ -170,6 +170,17 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
             raise Refused(422, "tinker_path: required, a string")
         return service.weights_info(tinker_path).model_dump(mode="json", exclude_none=True)
 
+    @app.get("/api/v1/training_runs")
+    async def training_runs(limit: int = 20, offset: int = 0) -> dict:
+        runs = service.training_runs()
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(runs))
+        page = types.TrainingRunsResponse(training_runs=runs[offset : offset + limit], cursor=cursor)
+        return page.model_dump(mode="json", exclude_none=True)
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def training_run(run_id: str) -> dict:
+        return service.training_run(run_id).model_dump(mode="json", exclude_none=True)
+
     @app.get("/api/v1/training_runs/{run_id}/checkpoints")
     async def run_checkpoints(run_id: str) -> dict:
         return types.CheckpointsListResponse(
@@ -266,7 +277,7 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
         path = request.url.path
         call = NOT_SERVED_YET.get(path)
         if call is None and path.startswith("/api/v1/training_runs"):
-            call = "RestClient's training runs and checkpoints"
+            call = "RestClient's checkpoint publishing and TTLs"
         what = f"{call} ({path})" if call else path
         return error_response(404, f"{what} is not served yet by llmrl serve-tinker")
 

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from llmrl.server.tinker.checkpoints import (
     CheckpointPath,
     adapter_record,
     checkpoint_folder,
+    list_checkpoints,
     load_adapter,
     load_optimizer,
     save_checkpoint,
@@ -62,6 +64,7 @@ class TrainedModel:
     peft_model: Any
     tokenizer: Any
     optimizer: torch.optim.AdamW
+    last_request: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @property
     def config(self) -> Any:
@@ -242,7 +245,47 @@ class TinkerService:
         trained = self.models.get(model_id)
         if trained is None:
             raise Refused(404, f"model_id: no training client {model_id!r} on this server")
+        trained.last_request = datetime.now(UTC)
         return trained
+
+    def training_runs(self) -> list[types.TrainingRun]:
+        """Each training client this server holds and each run with checkpoints in its storage folder,
+        the least recently used first."""
+        checkpoints: dict[str, list[types.Checkpoint]] = {}
+        for checkpoint in list_checkpoints(self.storage):
+            checkpoints.setdefault(CheckpointPath.parse(checkpoint.tinker_path, "").run_id, []).append(
+                checkpoint
+            )
+        runs = []
+        for run_id in sorted({*self.models, *checkpoints}):
+            saved = checkpoints.get(run_id, [])
+            trained = self.models.get(run_id)
+            if trained is not None:
+                adapter, last_request = trained.adapter, trained.last_request
+            else:
+                newest = CheckpointPath.parse(saved[-1].tinker_path, "")
+                adapter, last_request = adapter_record(newest.folder(self.storage)), saved[-1].time
+            training = [c for c in saved if c.checkpoint_type == "training"]
+            sampler = [c for c in saved if c.checkpoint_type == "sampler"]
+            runs.append(
+                types.TrainingRun(
+                    training_run_id=run_id,
+                    base_model=adapter.base_model,
+                    model_owner="local",
+                    is_lora=True,
+                    lora_rank=adapter.rank,
+                    last_request_time=last_request,
+                    last_checkpoint=training[-1] if training else None,
+                    last_sampler_checkpoint=sampler[-1] if sampler else None,
+                )
+            )
+        return sorted(runs, key=lambda run: run.last_request_time)
+
+    def training_run(self, run_id: str) -> types.TrainingRun:
+        for run in self.training_runs():
+            if run.training_run_id == run_id:
+                return run
+        raise Refused(404, f"training_run_id: no training run {run_id!r} on this server or in {self.storage}")
 
     def limits(self, model_id: str) -> tuple[int, int]:
         """The vocabulary size and positions of a training client's model."""
