@@ -17,10 +17,12 @@ Ctrl-C exits with 130. A training run stops on SIGINT (Ctrl-C), SIGTERM or SIGHU
 checkpoint (of the step in flight, or with `checkpoint.on_signal: save_now` of the last finished one)
 and exits with 128 + the signal's number: 130, 143, 129 (`StoppedBySignal`). A training
 run whose inference server, or an agent's environment server, stops answering exits with 75 and one
-line saying which and since when (`ServerUnavailableError`); running the same command again resumes it. One whose own code (reward functions, agent programs) keeps failing
-exits with 1 and one line naming the failure (`UserCodeError`); so does one whose run folder cannot be
-written (a full disk), saying which checkpoint the same command resumes from. A run folder another run
-is training in is refused (2); a run that already ran more steps than asked says so and exits with 0.
+line saying which and since when (`ServerUnavailableError`; `eval` and `serve-env` too, for an
+environment server); running the same command again resumes it. A training run whose own code (reward
+functions, agent programs) keeps failing exits with 1 and one line naming the failure (`UserCodeError`);
+so does one whose run folder cannot be written (a full disk), saying which checkpoint the same command
+resumes from. A run folder another run is training in is refused (2); a run that already ran more
+steps than asked says so and exits with 0.
 """
 
 from __future__ import annotations
@@ -488,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, FileExistsError, FileNotFoundError) as exc:
         print(f"llmrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ServerUnavailableError as exc:  # `eval` or `serve-env` found an environment server down
+        print(f"llmrl {args.command}: stopped: {exc}", file=sys.stderr)
+        return EXIT_TRY_AGAIN
     except StoppedBySignal as stop:  # the run said what it saved
         print(f"llmrl {args.command}: stopped by {stop.name}", file=sys.stderr)
         return stop.exit_status

@@ -1,9 +1,11 @@
 """`UserError`: the base of the exceptions llmrl raises for its user's mistakes; and where the user's own
-code failed (`UserCodeFailure`, `code_location`).
+code failed (`UserCodeFailure`, `code_location`); `ServerUnavailableError`: a server the run needs
+stopped answering.
 
 The CLI prints such an error's message and exits with status 2 (1 for a `UserCodeError`: the run
-started, and the user's code failed in it); any other exception is a bug and keeps its traceback. It
-is a `ValueError`, so callers of the Python API may catch either.
+started, and the user's code failed in it; 75 for a `ServerUnavailableError`: the same command may
+succeed later); any other exception is a bug and keeps its traceback. A `UserError` is a
+`ValueError`, so callers of the Python API may catch either.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ class ModelSpecError(UserError):
 class UserCodeError(UserError):
     """The user's code (reward functions, an agent's `reward` or `observe`, an agent program) failed in
     too many of a run's rollouts to go on training; the message names the most frequent failure."""
+
+
+class ServerUnavailableError(RuntimeError):
+    """A server the run needs (its inference server, a teacher, an agent's environment server) stopped
+    answering: nothing it produced since is kept, and rerunning the same command once it answers
+    resumes (the CLI exits with 75). The message is one line."""
+
+
+class EnvironmentUnavailableError(ServerUnavailableError):
+    """An agent's environment server (``agent_type: openenv``) did not answer (a refused or lost
+    connection, no answer in time, a 5xx): the message names the agent, the server and since when."""
 
 
 class UserCodeFailure(Exception):

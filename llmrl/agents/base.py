@@ -90,6 +90,21 @@ def failed_for_data(rollout: TokenRollout) -> bool:
     return not rollout.is_valid and (rollout.failure_reason or "").startswith(f"{DATA_FAILURE}:")
 
 
+UNREACHABLE_FAILURE = "unreachable"
+"""The stage of a placeholder whose agent's environment server did not answer (a refused or lost
+connection, no answer in time, a 5xx); its `failure_reason` goes on ``<server> unreachable since
+<time>: <cause>``. Like a failed inference call it says more about a dead server than about the
+policy: a batch with too many is refused and the run stops so that a rerun regenerates it
+(`llmrl.rollouts.checks`), where an environment that fails one episode (``environment:``) only
+leaves that episode out."""
+
+
+def failed_unreachable(rollout: TokenRollout) -> bool:
+    """True for a placeholder standing in for a rollout whose environment server did not answer
+    (`UNREACHABLE_FAILURE`)."""
+    return not rollout.is_valid and (rollout.failure_reason or "").startswith(f"{UNREACHABLE_FAILURE}:")
+
+
 USER_CODE_STAGES = ("reward", "observe", "program")
 """The stages of an episode that run the user's code (reward functions, an agent's `reward` and
 `observe`, an agent program); a placeholder's `failure_reason` begins with its stage and a colon."""

@@ -58,8 +58,10 @@ class TrainingConfig(Section):
     At least `generation_lag`. None: no bound."""
     max_inference_failure_frac: float | None = Field(None, ge=0.0, lt=1.0)
     """Largest fraction of a batch's rollouts that may fail in inference (server unreachable, refused, timed
-    out); a batch over it is neither banked nor trained on, and the run stops so that a rerun regenerates it.
-    None: stop when any whole group failed in inference."""
+    out); a batch over it is neither banked nor trained on, and the run stops (exit status 75) so that a
+    rerun regenerates it. Rollouts whose agent's environment server did not answer (`unreachable` failures
+    of `agent_type: openenv`) are counted apart against the same fraction, and stop the run the same way.
+    None: stop when any whole group failed in inference, or could not reach its environment server."""
     max_user_failure_frac: float | None = Field(0.5, ge=0.0, lt=1.0)
     """Largest fraction of rollouts that may fail in user code (a reward function or `reward`/`observe`
     that raises or returns no finite number, an agent program that raises or makes no model call), averaged

@@ -20,22 +20,30 @@ after `max_turns` model turns; its reward is the sum of its steps' rewards (a st
 0). All turns form one token sequence, continued at the token level as the multi-turn reward-only
 agents continue theirs (`llmrl.agents.reward_only`): only the model's tokens are trained on.
 
-Failures make the episode a placeholder, counted in ``failures/<stage>``: ``environment`` (the server
-is down, times out or answers with an error or a reward that is not a number: the line names the
-server's URL), ``observe`` (one of the user's two functions raised or returned something unusable:
-the line names its file and line), ``inference`` and ``data`` as for every agent.
+Failures make the episode a placeholder, counted in ``failures/<stage>``: ``unreachable`` (the server
+did not answer: a refused or lost connection, no answer within `step_timeout_s`, a 5xx; the line names
+the server's URL, since when it has not answered, and why), ``environment`` (the server answered with
+an error, as when the environment raised on this episode, or with a reward that is not a number),
+``observe`` (one of the user's two functions raised or returned something unusable: the line names
+its file and line), ``inference`` and ``data`` as for every agent. An ``unreachable`` episode says more
+about the server than about the policy: a batch with too many of them is refused as one that failed in
+inference is, and the run stops with `EnvironmentUnavailableError` (the CLI exits with 75) so that
+rerunning the same command once the server answers resumes from the last checkpoint
+(`llmrl.rollouts.checks`). A server that does not answer when the run starts stops it the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import inspect
 import math
 import os
 import sys
 import tempfile
 import threading
+import time
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -43,10 +51,17 @@ from typing import Any
 
 import httpx
 
-from llmrl.agents.base import DATA_FAILURE, Problem, placeholder_rollout, prompt_text, request_args
+from llmrl.agents.base import (
+    DATA_FAILURE,
+    UNREACHABLE_FAILURE,
+    Problem,
+    placeholder_rollout,
+    prompt_text,
+    request_args,
+)
 from llmrl.agents.reward_only import ProblemSetAgent
 from llmrl.agents.trajectory import Trajectory
-from llmrl.errors import UserCodeFailure, UserError, code_location
+from llmrl.errors import EnvironmentUnavailableError, UserCodeFailure, UserError, code_location
 from llmrl.inference.interface import InferenceInterface, RequestRejected
 from llmrl.processes import ServerProcess, free_port
 from llmrl.registry import resolve_function
@@ -144,6 +159,8 @@ class OpenEnvAgent(ProblemSetAgent):
         self._server = _ServedEnvironment(self.env_id, serve) if serve is not None else None
         self._connecting = threading.Lock()
         self._connected = False
+        # When the server stopped answering: set by the first failure to reach it, cleared by an answer.
+        self._unreachable_since: float | None = None
         self._sessions: asyncio.Semaphore | None = None
         self._sessions_loop: asyncio.AbstractEventLoop | None = None
 
@@ -171,7 +188,16 @@ class OpenEnvAgent(ProblemSetAgent):
 
     def connect(self) -> None:
         """Start the server (`serve`) or check that it answers (`url`), and read its schema for the
-        default functions; once (a `UserError` naming the server otherwise)."""
+        default functions; once. A server that does not answer raises `EnvironmentUnavailableError`
+        (the same command may succeed later), one that answers with something else a `UserError`."""
+        try:
+            self._connect()
+        except _ServerDown as down:
+            raise EnvironmentUnavailableError(
+                f"{self.env_id}: {down}; rerun the same command once it answers"
+            ) from None
+
+    def _connect(self) -> None:
         with self._connecting:
             if self._connected:
                 return
@@ -182,7 +208,10 @@ class OpenEnvAgent(ProblemSetAgent):
                 response.raise_for_status()
                 schema = response.json()
             except (httpx.HTTPError, ValueError) as exc:
+                if _unreachable(exc):
+                    raise _ServerDown(self._down_since(exc)) from exc
                 raise UserError(f"{self.env_id}: {_server_problem(self.url, exc)}") from None
+            self._unreachable_since = None
             if self.observation_to_messages is None:
                 field = self._text_field(schema, "observation", "observation_to_messages")
                 self.observation_to_messages = _FieldReader(field)
@@ -209,12 +238,16 @@ class OpenEnvAgent(ProblemSetAgent):
         self, inference: InferenceInterface, problem: Problem, n: int, args: GenerationArgs
     ) -> list[TokenRollout]:
         """`n` episodes of `problem`'s seed, each in its own session; failures become placeholders."""
+        reason = None
         try:
             if not self._connected:
-                await asyncio.to_thread(self.connect)
+                await asyncio.to_thread(self._connect)
+        except _ServerDown as down:
+            reason = f"{UNREACHABLE_FAILURE}: {down}"[:500]
         except Exception as exc:  # noqa: BLE001 - a server that cannot start fails its episodes, counted
             reason = " ".join(f"environment: {str(exc).removeprefix(f'{self.env_id}: ')}".split())[:500]
-            self._count_failure("environment", reason, count=n)
+        if reason is not None:
+            self._count_failure(reason.split(":", 1)[0], reason, count=n)
             return [placeholder_rollout(self.env_id, problem.id, reason) for _ in range(n)]
         episodes = (self._episode(inference, problem, request_args(args, "sample", i)) for i in range(n))
         return list(await asyncio.gather(*episodes))
@@ -230,6 +263,7 @@ class OpenEnvAgent(ProblemSetAgent):
             try:
                 with trace_span("reset", env=self.env_id):
                     result = await client.reset(seed=problem.answer)
+                self._unreachable_since = None
                 for turn in range(self.max_turns):
                     stage = "observe"
                     messages = self._messages(result.observation, first=turn == 0)
@@ -242,6 +276,7 @@ class OpenEnvAgent(ProblemSetAgent):
                     stage = "environment"
                     with trace_span("step", env=self.env_id):
                         result = await client.step(action)
+                    self._unreachable_since = None
                     total += _step_reward(result.reward)
                     if result.done:
                         break
@@ -302,12 +337,27 @@ class OpenEnvAgent(ProblemSetAgent):
         if stage == "inference" and isinstance(exc, TimeoutError):
             return f"inference: timed out after {self.inference_timeout_s} s"
         if stage == "environment":
-            if isinstance(exc, TimeoutError):
-                return f"environment: openenv server {self.url}: no answer within step_timeout_s={self.step_timeout_s:g} s"
+            if _unreachable(exc):
+                return f"{UNREACHABLE_FAILURE}: {self._down_since(exc)}"[:500]
             return f"environment: {_server_problem(self.url, exc)}"[:500]
         if isinstance(exc, UserCodeFailure):
             return f"{stage}: {exc}"[:500]
         return f"{stage}: {_one_line(exc)}"[:500]
+
+    def _down_since(self, exc: BaseException) -> str:
+        """``openenv server URL unreachable since TIME: CAUSE``: the server did not answer (`exc`), and
+        since when it has not (its first failure to answer since it last did)."""
+        if self._unreachable_since is None:
+            self._unreachable_since = time.time()
+        since = datetime.datetime.fromtimestamp(self._unreachable_since).isoformat(
+            sep=" ", timespec="seconds"
+        )
+        cause = (
+            f"no answer within step_timeout_s={self.step_timeout_s:g} s"
+            if isinstance(exc, TimeoutError)
+            else _one_line(exc)
+        )
+        return f"openenv server {self.url} unreachable since {since}: {cause}"
 
     def _session_slots(self) -> asyncio.Semaphore:
         # A semaphore belongs to one event loop; the sync entry points start a new loop per call.
@@ -315,6 +365,35 @@ class OpenEnvAgent(ProblemSetAgent):
         if self._sessions is None or self._sessions_loop is not loop:
             self._sessions, self._sessions_loop = asyncio.Semaphore(self.max_sessions), loop
         return self._sessions
+
+
+class _ServerDown(Exception):
+    """The environment server did not answer; the message says which, since when and why."""
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says that the environment server did not answer (a refused, failed or lost
+    connection, no answer in time, a 5xx) rather than that it answered with an error of its own (the
+    environment raised on this episode, a session refused, a 4xx: a rerun would meet it again)."""
+    from websockets.exceptions import ConnectionClosed, InvalidStatus  # openenv's client runs on websockets
+
+    for error in _chain(exc):
+        # A handshake or request the server (or a proxy in front of it) answered with an HTTP status.
+        if isinstance(error, InvalidStatus):
+            return error.response.status_code >= 500
+        if isinstance(error, httpx.HTTPStatusError):
+            return error.response.status_code >= 500
+    # OpenEnv's client raises ConnectionError (an OSError) for any connection that cannot be opened.
+    return isinstance(exc, OSError | TimeoutError | ConnectionClosed | httpx.TransportError)
+
+
+def _chain(exc: BaseException) -> typing.Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 class _ServedEnvironment:

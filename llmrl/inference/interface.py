@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from llmrl.errors import ServerUnavailableError
 from llmrl.types import InferenceRequest, InferenceResponse
 from llmrl.weights import PayloadKind, WeightTransport, payload_from
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class InferenceUnavailableError(RuntimeError):
+class InferenceUnavailableError(ServerUnavailableError):
     """The inference server was lost: nothing it produced since is kept, and rerunning the same
     command resumes (the CLI exits with 75). The message is one line."""
 

@@ -12,7 +12,7 @@ The trainer holds one `RolloutSource` (`llmrl.rollouts.source`, built from the c
 | `ranks` | under torchrun: rank 0's source broadcasts each batch, the other ranks receive it |
 | `build` | `rollout_source`: the source a run's config asks for, on this rank |
 | `bank` | `RolloutBank`: every generated batch (or group) on disk until a checkpoint trains past it |
-| `checks` | whether a batch may be trained on (inference and user-code failures), and the one line a run stops with |
+| `checks` | whether a batch may be trained on (inference, environment-server and user-code failures), and the one line a run stops with |
 | `batch` | `prepare_batch`: reward shaping, group advantages, the rollouts that reach the loss (`RolloutBatch`) |
 | `metrics` | the step's rollout metrics (rewards, pass rates, lengths, failures) and token staleness |
 """
@@ -20,7 +20,13 @@ The trainer holds one `RolloutSource` (`llmrl.rollouts.source`, built from the c
 from llmrl.rollouts.bank import BANK_FILE, BankedBatch, RolloutBank
 from llmrl.rollouts.batch import RolloutBatch, prepare_batch
 from llmrl.rollouts.build import rollout_source
-from llmrl.rollouts.checks import BatchChecks, UserCodeFailures, inference_failure, unavailable_line
+from llmrl.rollouts.checks import (
+    BatchChecks,
+    UserCodeFailures,
+    inference_failure,
+    unavailable_line,
+    unreachable_environment,
+)
 from llmrl.rollouts.metrics import rollout_metrics, staleness_metrics
 from llmrl.rollouts.partial import PartialRolloutPipeline
 from llmrl.rollouts.ranks import BroadcastRollouts, ReceivedRollouts
@@ -46,4 +52,5 @@ __all__ = [
     "rollout_source",
     "staleness_metrics",
     "unavailable_line",
+    "unreachable_environment",
 ]

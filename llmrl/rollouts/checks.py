@@ -2,21 +2,30 @@
 
 A batch in which too many rollouts failed in inference (`inference_failure`) says more about a dead
 server than about the policy: it is neither banked nor trained on; `InferenceUnavailableError` stops
-the run, and a rerun regenerates it. A batch whose rollouts all failed in the user's code, or one that
-takes the share of such failures over the last steps past `max_user_failure_frac` (`UserCodeFailures`),
-is refused the same way: the run stops with `UserCodeError`, naming the failure to fix, rather than
-train on what is left. Rollouts whose request the inference refused for their data (`data:` failures)
-only leave their problems out, unless every rollout of a batch failed so (`data_failure`).
+the run, and a rerun regenerates it. So does one in which too many rollouts could not reach their
+agent's environment server (`unreachable_environment`: `EnvironmentUnavailableError`), counted apart
+against the same `max_inference_failure_frac`, so that the line names the server that died. A batch
+whose rollouts all failed in the user's code, or one that takes the share of such failures over the
+last steps past `max_user_failure_frac` (`UserCodeFailures`), is refused the same way: the run stops
+with `UserCodeError`, naming the failure to fix, rather than train on what is left. Rollouts whose
+request the inference refused for their data (`data:` failures) only leave their problems out, unless
+every rollout of a batch failed so (`data_failure`).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from llmrl.agents.base import failed_for_data, failed_in_inference, failed_in_user_code
-from llmrl.errors import UserCodeError, UserError
+from llmrl.agents.base import (
+    UNREACHABLE_FAILURE,
+    failed_for_data,
+    failed_in_inference,
+    failed_in_user_code,
+    failed_unreachable,
+)
+from llmrl.errors import EnvironmentUnavailableError, ServerUnavailableError, UserCodeError, UserError
 from llmrl.inference.interface import InferenceInterface, InferenceUnavailableError
 from llmrl.types import RolloutGroup, TokenRollout
 
@@ -46,16 +55,40 @@ def inference_failure(groups: Sequence[RolloutGroup], max_frac: float | None) ->
     Refused: more than `max_frac` of the rollouts failed in inference, or, with `max_frac` None,
     every rollout of some group did.
     """
-    failed = [[failed_in_inference(r) for r in group.rollouts] for group in groups]
-    count, total = sum(map(sum, failed)), sum(map(len, failed))
-    if max_frac is None:
-        refused = any(all(group) for group in failed)
-    else:
-        refused = count > max_frac * total
+    refused = _too_many(groups, max_frac, failed_in_inference)
+    if refused is None:
+        return None
+    count, total, first = refused
+    return f"{count} of {total} rollouts failed in inference ({first.failure_reason})"
+
+
+def unreachable_environment(step: int, groups: Sequence[RolloutGroup], max_frac: float | None) -> str | None:
+    """The line the run stops with when too many of `groups` (the batch of `step`) could not reach
+    their agent's environment server, as `inference_failure` counts them; None when they may be
+    trained on. It names the agent and the server, since when and why (the first such rollout's)."""
+    refused = _too_many(groups, max_frac, failed_unreachable)
+    if refused is None:
+        return None
+    count, total, first = refused
+    server = (first.failure_reason or "").removeprefix(f"{UNREACHABLE_FAILURE}:").strip()
+    return (
+        f"{first.env_id}: {server} (batch of step {step}: {count} of {total} rollouts could not reach "
+        "it); nothing from it was trained on or kept; rerun the same command to resume"
+    )
+
+
+def _too_many(
+    groups: Sequence[RolloutGroup], max_frac: float | None, failed: Callable[[TokenRollout], bool]
+) -> tuple[int, int, TokenRollout] | None:
+    """(how many, of how many, the first) of `groups`' rollouts that `failed`, when more than
+    `max_frac` of them did or, with `max_frac` None, every rollout of some group did; else None."""
+    marks = [[failed(r) for r in group.rollouts] for group in groups]
+    count, total = sum(map(sum, marks)), sum(map(len, marks))
+    refused = any(all(group) for group in marks) if max_frac is None else count > max_frac * total
     if not refused:
         return None
-    reason = next(r.failure_reason for g in groups for r in g.rollouts if failed_in_inference(r))
-    return f"{count} of {total} rollouts failed in inference ({reason})"
+    first = next(r for g in groups for r in g.rollouts if failed(r))
+    return count, total, first
 
 
 def data_failure(step: int, groups: Sequence[RolloutGroup]) -> str | None:
@@ -120,8 +153,8 @@ def _stop_line(share: str, step: int, failures: Counter[str]) -> str:
 
 
 class BatchChecks:
-    """Whether a batch may be trained on (`inference_failure`, `UserCodeFailures`), as the error the run
-    stops with when not."""
+    """Whether a batch may be trained on (`inference_failure`, `unreachable_environment`,
+    `UserCodeFailures`), as the error the run stops with when not."""
 
     def __init__(
         self,
@@ -135,13 +168,16 @@ class BatchChecks:
 
     def refusal(
         self, step: int, groups: Sequence[RolloutGroup], started: float
-    ) -> InferenceUnavailableError | UserError | None:
+    ) -> ServerUnavailableError | UserError | None:
         """Why the batch of `step` (generation began at `started`) must not be trained on, or None."""
         failure = inference_failure(groups, self.max_inference_failure_frac)
         if failure is not None:
             return InferenceUnavailableError(
                 unavailable_line(self.inference, f"batch of step {step}: {failure}", started)
             )
+        environment_line = unreachable_environment(step, groups, self.max_inference_failure_frac)
+        if environment_line is not None:
+            return EnvironmentUnavailableError(environment_line)
         data_line = data_failure(step, groups)
         if data_line is not None:
             return UserError(data_line)

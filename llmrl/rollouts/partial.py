@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from llmrl.agents.base import failed_in_inference
+from llmrl.agents.base import failed_in_inference, failed_unreachable
 from llmrl.inference.interface import run_in_new_loop
 from llmrl.rollouts.bank import Launch
 from llmrl.rollouts.source import AgentPipeline, AgentState
@@ -98,8 +98,11 @@ class PartialRolloutPipeline(AgentPipeline):
         done = {k for indices in records.batches.values() for k in indices}
         pending = set(records.pending) - done
         for index, group in records.groups.items():
-            # A group that failed in inference (a dead server) is generated again rather than trained.
-            if index in pending and not any(failed_in_inference(r) for r in group.rollouts):
+            # A group that failed for a dead server (inference, its environment's) is generated again
+            # rather than trained.
+            if index in pending and not any(
+                failed_in_inference(r) or failed_unreachable(r) for r in group.rollouts
+            ):
                 self._ready[index] = group
         self._launches = {k: launch for launch in records.launches for k in launch.indices if k in pending}
         lost = pending - set(self._ready)

@@ -7,8 +7,8 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from llmrl.errors import UserError
-from llmrl.inference.interface import InferenceUnavailableError, run_in_new_loop
+from llmrl.errors import ServerUnavailableError, UserError
+from llmrl.inference.interface import run_in_new_loop
 from llmrl.rollouts.bank import BankedBatch
 from llmrl.rollouts.source import AgentPipeline
 from llmrl.stopping import abandonable
@@ -40,7 +40,7 @@ class RolloutPipeline(AgentPipeline):
         super().__init__(*args, **kwargs)
         self.in_flight = in_flight
         # Later batches are not drawn after a refused one.
-        self._refused: InferenceUnavailableError | UserError | None = None
+        self._refused: ServerUnavailableError | UserError | None = None
         self._batches: dict[int, Future[list[RolloutGroup]] | None] = {}  # None: not drawn yet (lag 0)
         self._state_after: dict[int, dict[str, Any]] = {}  # agents' state right after drawing batch t
         self._next_step = 1

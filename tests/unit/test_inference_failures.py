@@ -1,4 +1,5 @@
-"""A batch that failed in inference is refused: not banked, not trained on, and the run stops in one line."""
+"""A batch that failed in inference, or could not reach its environment server, is refused: not banked, not
+trained on, and the run stops in one line."""
 
 import time
 
@@ -7,9 +8,10 @@ import torch
 
 from llmrl import cli
 from llmrl.agents import WeightedMultiTask, placeholder_rollout
+from llmrl.errors import EnvironmentUnavailableError
 from llmrl.inference import Health
 from llmrl.inference.interface import InferenceUnavailableError
-from llmrl.rollouts import RolloutBank, RolloutPipeline, inference_failure
+from llmrl.rollouts import RolloutBank, RolloutPipeline, inference_failure, unreachable_environment
 from llmrl.trainer.weight_sync import PolicyWeights, WeightSync
 from llmrl.types import GenerationArgs, RolloutGroup, TokenRollout
 from tests.unit.scripted_inference import EchoAgent, ScriptedInference, answer_of
@@ -40,6 +42,31 @@ def test_a_configured_fraction_bounds_the_failed_rollouts():
     assert (
         inference_failure([group(4, 0), group(0, 4)], 0.5) is None
     )  # a whole group, but within the fraction
+
+
+UNREACHABLE = (
+    "unreachable: openenv server http://h:8000 unreachable since 2026-11-25 14:02:11: ConnectionRefusedError"
+)
+
+
+def test_rollouts_that_could_not_reach_their_environment_server_are_counted_apart_from_inference():
+    assert unreachable_environment(3, [group(4, 0), group(2, 2, UNREACHABLE)], None) is None
+    assert unreachable_environment(3, [group(4, 0), group(0, 4)], None) is None  # inference: not theirs
+    assert unreachable_environment(3, [group(4, 0), group(0, 4, UNREACHABLE)], None) == (
+        "e: openenv server http://h:8000 unreachable since 2026-11-25 14:02:11: ConnectionRefusedError "
+        "(batch of step 3: 4 of 8 rollouts could not reach it); nothing from it was trained on or kept; "
+        "rerun the same command to resume"
+    )
+    assert unreachable_environment(3, [group(3, 1, UNREACHABLE), group(3, 1, UNREACHABLE)], 0.25) is None
+    assert unreachable_environment(3, [group(2, 2, UNREACHABLE), group(3, 1, UNREACHABLE)], 0.25) is not None
+    # Half of the batch failed in inference, half could not reach its environment: each within 0.5.
+    assert inference_failure([group(2, 2), group(2, 2, UNREACHABLE)], 0.5) is None
+    assert unreachable_environment(3, [group(2, 2), group(2, 2, UNREACHABLE)], 0.5) is None
+
+
+def test_an_environment_that_failed_one_episode_is_not_an_unreachable_server():
+    environment_error = "environment: openenv server http://h:8000: RuntimeError: Server error: boom"
+    assert unreachable_environment(3, [group(0, 4, environment_error)], None) is None
 
 
 class FailingServer(ScriptedInference):
@@ -126,7 +153,14 @@ def test_a_weight_sync_to_an_unreachable_server_stops_the_run_in_one_line():
         sync.sync(4)
 
 
-def test_llmrl_train_prints_the_stop_line_and_exits_75(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "error",
+    [
+        InferenceUnavailableError("inference server at http://h/v1 unreachable since 12:00; rerun"),
+        EnvironmentUnavailableError("sums: openenv server http://h:8000 unreachable since 12:00; rerun"),
+    ],
+)
+def test_llmrl_train_prints_the_stop_line_and_exits_75(monkeypatch, capsys, error):
     class StoppingTrainer:
         resumed, is_main, step = False, True, 0
 
@@ -134,11 +168,19 @@ def test_llmrl_train_prints_the_stop_line_and_exits_75(monkeypatch, capsys):
             pass
 
         def run(self):
-            raise InferenceUnavailableError("inference server at http://h/v1 unreachable since 12:00; rerun")
+            raise error
 
     monkeypatch.setattr("llmrl.trainer.Trainer", StoppingTrainer)
     assert cli.main(["train", "--set", "training.steps=1"]) == cli.EXIT_TRY_AGAIN == 75
-    assert (
-        capsys.readouterr().err
-        == "llmrl train: stopped: inference server at http://h/v1 unreachable since 12:00; rerun\n"
+    assert capsys.readouterr().err == f"llmrl train: stopped: {error}\n"
+
+
+def test_any_command_that_finds_an_environment_server_down_exits_75_in_one_line(monkeypatch, capsys):
+    def evaluate(args):
+        raise EnvironmentUnavailableError("sums: openenv server http://h:8000 unreachable since 12:00")
+
+    monkeypatch.setattr("llmrl.cli.cmd_eval", evaluate)
+    assert cli.main(["eval"]) == cli.EXIT_TRY_AGAIN
+    assert capsys.readouterr().err == (
+        "llmrl eval: stopped: sums: openenv server http://h:8000 unreachable since 12:00\n"
     )

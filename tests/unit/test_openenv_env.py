@@ -6,16 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
+import signal
 import sys
 import textwrap
+import time
 
+import httpx
 import pytest
 from scripted_inference import COMPLETION_OFFSET, ScriptedInference, encode, render
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosedError, InvalidStatus
+from websockets.http11 import Response
 
 from llmrl import registry
-from llmrl.envs.openenv_env import MISSING_EXTRA, OpenEnvAgent
-from llmrl.errors import UserError
+from llmrl.agents.base import failed_unreachable
+from llmrl.envs.openenv_env import MISSING_EXTRA, OpenEnvAgent, _unreachable
+from llmrl.errors import EnvironmentUnavailableError, UserError
 from llmrl.processes import free_port
+from llmrl.rollouts import BatchChecks
 from llmrl.types import ChatMessage
 
 # Counts down from 2 + seed % 3: each step's reward is 1 when the reply names the number shown, 0.25
@@ -221,18 +231,103 @@ def test_the_app_factory_of_a_plugin_is_served(plugin):
         agent._server.process.close()
 
 
-def test_an_environment_server_that_is_down_is_one_line_naming_the_url(plugin, caplog):
+def test_an_environment_server_that_is_down_at_the_start_stops_the_run_to_be_rerun(plugin, caplog):
     url = f"http://127.0.0.1:{free_port()}"
     agent = make_agent(url)
-    with pytest.raises(UserError) as failure:
+    with pytest.raises(EnvironmentUnavailableError) as failure:
         agent.check_problems()
-    assert str(failure.value).startswith(f"countdown: openenv server {url}: ConnectError")
-    assert "\n" not in str(failure.value)
+    line = str(failure.value)
+    assert re.fullmatch(
+        rf"countdown: openenv server {url} unreachable since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: "
+        r"ConnectError: .*; rerun the same command once it answers",
+        line,
+    ), line
     with caplog.at_level(logging.WARNING):
         (group,), _ = draw(agent, 1, 2)
-    assert all(r.failure_reason.startswith(f"environment: openenv server {url}: ") for r in group.rollouts)
-    assert agent.pop_metrics() == {"failures/environment": 1.0, "placeholders": 2.0}
-    assert caplog.text.count(f"countdown: environment: openenv server {url}") == 1
+    assert all(failed_unreachable(r) for r in group.rollouts)
+    assert group.rollouts[0].failure_reason.startswith(
+        f"unreachable: openenv server {url} unreachable since "
+    )
+    assert agent.pop_metrics() == {"failures/unreachable": 1.0, "placeholders": 2.0}
+    assert caplog.text.count(f"countdown: unreachable: openenv server {url}") == 1
+
+
+def test_a_server_killed_mid_episode_fails_every_episode_as_unreachable_and_the_batch_stops_the_run(plugin):
+    agent = OpenEnvAgent(
+        serve={"module": f"{plugin}:app"},
+        env_id="countdown",
+        observation_to_messages="countdown_env:to_messages",
+        completion_to_action="countdown_env:to_action",
+        eval_size=2,
+        num_problems=8,
+        max_sessions=1,  # one episode after the other: the first is in its session when the server dies
+    )
+    agent.check_problems()
+    server = agent._server.process
+
+    def reply_then_kill(prompt, index):
+        if server.process is not None and server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+        return count_shown(prompt)
+
+    try:
+        groups, _ = draw(agent, 2, 2, reply=reply_then_kill)
+    finally:
+        server.close()
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert all(failed_unreachable(r) for r in rollouts), [r.failure_reason for r in rollouts]
+    # The first episode lost its session's connection; the others found no server to connect to.
+    assert "ConnectionClosedError" in rollouts[0].failure_reason
+    assert all("ConnectionError: Failed to connect" in r.failure_reason for r in rollouts[1:])
+    since = {r.failure_reason.split(" unreachable since ")[1][:19] for r in rollouts}
+    assert len(since) == 1  # the time the server was first found down, not each episode's
+    assert agent.pop_metrics() == {"failures/unreachable": 4.0, "placeholders": 4.0}
+
+    refusal = BatchChecks(ScriptedInference("1"), None, 0.5).refusal(3, groups, time.time())
+    assert isinstance(refusal, EnvironmentUnavailableError)
+    assert str(refusal).startswith(f"countdown: openenv server {agent.url} unreachable since {since.pop()}: ")
+    assert str(refusal).endswith(
+        "(batch of step 3: 4 of 4 rollouts could not reach it); nothing from it was trained on or kept; "
+        "rerun the same command to resume"
+    )
+
+
+def handshake_refused(status: int) -> ConnectionError:
+    """What OpenEnv's client raises when the server answers its WebSocket handshake with `status`."""
+    refusal = InvalidStatus(Response(status, "", Headers()))
+    try:
+        raise ConnectionError(f"Failed to connect to ws://h/ws: {refusal}") from refusal
+    except ConnectionError as error:
+        return error
+
+
+def http_status(status: int) -> httpx.HTTPStatusError:
+    request = httpx.Request("GET", "http://h/schema")
+    return httpx.HTTPStatusError("", request=request, response=httpx.Response(status, request=request))
+
+
+@pytest.mark.parametrize(
+    ("error", "unreachable"),
+    [
+        (ConnectionRefusedError(111, "Connection refused"), True),
+        (handshake_refused(502), True),  # a proxy in front of a server that is down
+        (handshake_refused(503), True),
+        (handshake_refused(404), False),  # no OpenEnv server at that URL: rerunning will not help
+        (ConnectionClosedError(None, None), True),  # the server died during the session
+        (TimeoutError(), True),
+        (httpx.ConnectError("refused"), True),
+        (httpx.ReadTimeout("no answer"), True),
+        (http_status(500), True),
+        (http_status(404), False),
+        # What the server answers when the environment raised on this episode, or refused the session.
+        (RuntimeError("Server error: the environment broke (code: EXECUTION_ERROR)"), False),
+        (RuntimeError("Server error: Server at capacity (code: CAPACITY_REACHED)"), False),
+        (ValueError("a step's reward 'x' is not a finite number"), False),
+    ],
+)
+def test_an_unreachable_server_is_told_apart_from_one_that_answers_with_an_error(error, unreachable):
+    assert _unreachable(error) is unreachable
 
 
 def test_an_environment_that_answers_with_an_error_fails_only_its_episode(server_url):
@@ -245,6 +340,7 @@ def test_an_environment_that_answers_with_an_error_fails_only_its_episode(server
             "boom" if prompt.startswith("<user>Say the number. count 3") else count_shown(prompt)
         ),
     )
+    failed = 0
     for group in groups:
         for rollout in group.rollouts:
             if start_of(rollout.problem_id) == 3:
@@ -252,8 +348,12 @@ def test_an_environment_that_answers_with_an_error_fails_only_its_episode(server
                     f"environment: openenv server {server_url}: RuntimeError: "
                 )
                 assert "the environment broke" in rollout.failure_reason
+                assert not failed_unreachable(rollout)  # the server answered: the run goes on
+                failed += 1
             else:
                 assert rollout.is_valid
+    assert failed > 0
+    assert agent.pop_metrics() == {"failures/environment": float(failed), "placeholders": float(failed)}
 
 
 @pytest.mark.parametrize(
