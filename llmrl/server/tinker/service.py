@@ -23,6 +23,7 @@ from tinker import types
 
 from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.packing import build_batch, pack, unpack
+from llmrl.config import TrainingConfig
 from llmrl.inference.engine import LocalEngine
 from llmrl.inference.kv_cache import max_positions
 from llmrl.server.tinker.checkpoints import (
@@ -45,8 +46,9 @@ RETRIEVE_WAIT_S = 20.0
 FUTURE_KEEP_S = 600.0
 """How long a finished future stays retrievable after its result was first answered (a client that lost
 the answer asks again at once; nothing asks ten minutes later)."""
-PACKED_ROW_TOKENS = 4096
-"""Tokens per packed row of a ``forward_backward`` batch (a longer datum gets a row of its own)."""
+PACKED_ROW_TOKENS = TrainingConfig.model_fields["pack_row_tokens"].default
+"""Tokens per packed row of a ``forward_backward`` batch, as `llmrl train` packs them (a longer datum gets
+a row of its own): attention's cost grows with the row, so short rows suit many short data."""
 
 # Tinker's LoRA switches, as the module names of the Llama/Qwen2 families llmrl serves.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
