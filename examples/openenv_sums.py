@@ -1,5 +1,5 @@
 """An OpenEnv environment written as OpenEnv's documentation shows, and the two functions that let the model
-play it (examples/openenv_sums.yaml).
+play it (examples/openenv.yaml).
 
 The environment asks a sum and answers each reply: reward 1 and done when the reply's first number is
 right; otherwise "No, that is wrong." with the question again, up to three tries (then done, reward 0).
