@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -97,6 +99,23 @@ connection, no answer in time, a 5xx); its `failure_reason` goes on ``<server> u
 policy: a batch with too many is refused and the run stops so that a rerun regenerates it
 (`llmrl.rollouts.checks`), where an environment that fails one episode (``environment:``) only
 leaves that episode out."""
+
+
+class Reachability:
+    """Since when a server has not answered: the first failure to answer since it last did."""
+
+    def __init__(self) -> None:
+        self.down_since: float | None = None
+
+    def answered(self) -> None:
+        self.down_since = None
+
+    def down(self, server: str, cause: str) -> str:
+        """``SERVER unreachable since TIME: CAUSE``, `server` having just failed to answer."""
+        if self.down_since is None:
+            self.down_since = time.time()
+        since = datetime.datetime.fromtimestamp(self.down_since).isoformat(sep=" ", timespec="seconds")
+        return f"{server} unreachable since {since}: {cause}"
 
 
 def failed_unreachable(rollout: TokenRollout) -> bool:

@@ -24,8 +24,10 @@ Behaviour:
   evaluation results and this agent's counters use the local `env_id`, as every agent's do.
 * **Failures.** Connection errors, timeouts and 5xx answers are retried `max_retries` times with
   exponential backoff (`backoff_s`, doubled each time). If the server stays unreachable,
-  `group_rollouts` returns placeholder groups (left out of the loss) and counts ``failures/remote``
-  and ``placeholders``: training goes on. A 4xx answer (a request the server refuses) raises at once
+  `group_rollouts` returns placeholder groups (left out of the loss) whose `failure_reason` says
+  ``unreachable: remote environment server URL unreachable since TIME: CAUSE``, and counts
+  ``failures/remote`` and ``placeholders``: a batch with too many stops the run as a dead inference
+  server does (exit 75; the same command resumes, `llmrl.rollouts.checks`). A 4xx answer (a request the server refuses) raises at once
   with the server's message. A retry after a timeout may repeat a call the server finished, which
   skips that call's problems in the remote order.
 """
@@ -41,7 +43,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from llmrl.agents.base import Agent, placeholder_rollout
+from llmrl.agents.base import UNREACHABLE_FAILURE, Agent, Reachability, placeholder_rollout
 from llmrl.config import ConfigError
 from llmrl.http_client import RequestRefused, RetryPolicy, ServerUnavailable, send
 from llmrl.inference.interface import InferenceInterface, run_blocking
@@ -136,6 +138,7 @@ class RemoteAgent(Agent):
         self._counters: Counter[str] = Counter()
         self._remote_metrics: Counter[str] = Counter()
         self._failed_groups = 0
+        self._reachability = Reachability()
 
     # ---- the Agent contract ----------------------------------------------------------------------
 
@@ -160,7 +163,9 @@ class RemoteAgent(Agent):
             )
             reply = await self._call("POST", "/v1/group_rollouts", GroupRolloutsResponse, request)
         except RemoteUnavailableError as exc:
-            return self._placeholder_groups(num_groups, group_size, str(exc))
+            down = self._reachability.down(f"remote environment server {self.url}", str(exc))
+            return self._placeholder_groups(num_groups, group_size, f"{UNREACHABLE_FAILURE}: {down}")
+        self._reachability.answered()
         shapes = [len(group.rollouts) for group in reply.groups]
         if shapes != [group_size] * num_groups:
             raise RemoteError(

@@ -36,14 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import inspect
 import math
 import os
 import sys
 import tempfile
 import threading
-import time
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,6 +53,7 @@ from llmrl.agents.base import (
     DATA_FAILURE,
     UNREACHABLE_FAILURE,
     Problem,
+    Reachability,
     placeholder_rollout,
     prompt_text,
     request_args,
@@ -159,8 +158,7 @@ class OpenEnvAgent(ProblemSetAgent):
         self._server = _ServedEnvironment(self.env_id, serve) if serve is not None else None
         self._connecting = threading.Lock()
         self._connected = False
-        # When the server stopped answering: set by the first failure to reach it, cleared by an answer.
-        self._unreachable_since: float | None = None
+        self._reachability = Reachability()
         self._sessions: asyncio.Semaphore | None = None
         self._sessions_loop: asyncio.AbstractEventLoop | None = None
 
@@ -211,7 +209,7 @@ class OpenEnvAgent(ProblemSetAgent):
                 if _unreachable(exc):
                     raise _ServerDown(self._down_since(exc)) from exc
                 raise UserError(f"{self.env_id}: {_server_problem(self.url, exc)}") from None
-            self._unreachable_since = None
+            self._reachability.answered()
             if self.observation_to_messages is None:
                 field = self._text_field(schema, "observation", "observation_to_messages")
                 self.observation_to_messages = _FieldReader(field)
@@ -263,7 +261,7 @@ class OpenEnvAgent(ProblemSetAgent):
             try:
                 with trace_span("reset", env=self.env_id):
                     result = await client.reset(seed=problem.answer)
-                self._unreachable_since = None
+                self._reachability.answered()
                 for turn in range(self.max_turns):
                     stage = "observe"
                     messages = self._messages(result.observation, first=turn == 0)
@@ -276,7 +274,7 @@ class OpenEnvAgent(ProblemSetAgent):
                     stage = "environment"
                     with trace_span("step", env=self.env_id):
                         result = await client.step(action)
-                    self._unreachable_since = None
+                    self._reachability.answered()
                     total += _step_reward(result.reward)
                     if result.done:
                         break
@@ -345,19 +343,13 @@ class OpenEnvAgent(ProblemSetAgent):
         return f"{stage}: {_one_line(exc)}"[:500]
 
     def _down_since(self, exc: BaseException) -> str:
-        """``openenv server URL unreachable since TIME: CAUSE``: the server did not answer (`exc`), and
-        since when it has not (its first failure to answer since it last did)."""
-        if self._unreachable_since is None:
-            self._unreachable_since = time.time()
-        since = datetime.datetime.fromtimestamp(self._unreachable_since).isoformat(
-            sep=" ", timespec="seconds"
-        )
+        """``openenv server URL unreachable since TIME: CAUSE``: the server did not answer (`exc`)."""
         cause = (
             f"no answer within step_timeout_s={self.step_timeout_s:g} s"
             if isinstance(exc, TimeoutError)
             else _one_line(exc)
         )
-        return f"openenv server {self.url} unreachable since {since}: {cause}"
+        return self._reachability.down(f"openenv server {self.url}", cause)
 
     def _session_slots(self) -> asyncio.Semaphore:
         # A semaphore belongs to one event loop; the sync entry points start a new loop per call.

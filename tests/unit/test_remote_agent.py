@@ -18,6 +18,7 @@ from env_server_helpers import (
 from scripted_inference import EchoAgent, ScriptedInference, answer_of
 
 from llmrl.agents import PassAtKAgent, WeightedMultiTask, build_agents, evaluation_metrics
+from llmrl.agents.base import failed_unreachable
 from llmrl.agents.remote import RemoteAgent, RemoteError, RemoteUnavailableError
 from llmrl.config import EnvironmentConfig
 from llmrl.envs.arithmetic import ArithmeticAgent
@@ -134,7 +135,10 @@ def test_a_server_that_stays_down_gives_placeholder_groups_and_counters(answer):
         "far/remote-failed-2",
     ]
     assert all(r.status == "placeholder" and r.env_id == "far" for g in groups for r in g.rollouts)
-    assert "no answer after 3 attempt(s)" in groups[0].rollouts[0].failure_reason
+    reason = groups[0].rollouts[0].failure_reason
+    assert reason.startswith(f"unreachable: remote environment server {SERVER_URL} unreachable since ")
+    assert "no answer after 3 attempt(s)" in reason
+    assert all(failed_unreachable(r) for g in groups for r in g.rollouts)  # the batch check stops the run
     assert agent.pop_metrics() == {"failures/remote": 1.0, "placeholders": 6.0}
     later = run(agent.group_rollouts(ScriptedEndpoint(), 1, 2))
     assert later[0].group_id == "far/remote-failed-3"  # group ids stay unique across calls
