@@ -13,6 +13,17 @@ from llmrl.telemetry import read_jsonl, read_metrics
 from llmrl.trainer import Trainer
 
 STEPS = 3
+VERIFIERS_SUMS = {
+    "agent_type": "verifiers",
+    "env_id": "vf-sums",
+    "agent_args": {
+        "environment": "verifiers_sums:load_environment",
+        "environment_args": {"max_turns": 2},
+        "max_calls": 2,
+        "eval_size": 4,
+    },
+}
+"""examples/verifiers_sums.py's multi-turn environment, as the mixes below train it."""
 
 
 def short_run_config(

@@ -18,6 +18,7 @@ from llmrl.inference import Health
 from llmrl.inference.interface import InferenceUnavailableError
 from llmrl.rollouts import RolloutBank
 from tests.integration.short_runs import (
+    VERIFIERS_SUMS,
     failures,
     logged_rollouts,
     short_run,
@@ -77,16 +78,6 @@ def plugins(monkeypatch):
 
 
 ARITHMETIC = {"agent_type": "arithmetic", "agent_args": {"eval_size": 4}}
-VERIFIERS_SUMS = {
-    "agent_type": "verifiers",
-    "env_id": "vf-sums",
-    "agent_args": {
-        "environment": "verifiers_sums:load_environment",
-        "environment_args": {"max_turns": 2},
-        "max_calls": 2,
-        "eval_size": 4,
-    },
-}
 
 
 # A verifiers environment without a lag: with one, the loss weighs each token by the engine's logprob

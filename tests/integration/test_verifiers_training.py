@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmrl import registry
-from tests.integration.short_runs import logged_rollouts, short_run
+from tests.integration.short_runs import VERIFIERS_SUMS, logged_rollouts, short_run
 
 pytestmark = pytest.mark.slow
 
@@ -49,16 +49,7 @@ def test_verifiers_and_openenv_in_a_mix_with_in_flight_updates_record_each_token
     step logs their staleness, and held-out pass@k is evaluated for both."""
     monkeypatch.setattr(registry, "_plugin_modules", set())
     environments = [
-        {
-            "agent_type": "verifiers",
-            "env_id": "vf-sums",
-            "agent_args": {
-                "environment": "verifiers_sums:load_environment",
-                "environment_args": {"max_turns": 2},
-                "max_calls": 2,
-                "eval_size": 4,
-            },
-        },
+        VERIFIERS_SUMS,
         {
             "agent_type": "openenv",
             "env_id": "openenv-sums",
