@@ -43,8 +43,11 @@ class ModelConfig(Section):
     precision over several), the embedded engine and vLLM serve in it, and checkpoints' Hugging Face folders
     are written in it. The policy's own weights and optimizer state are kept in `training.master_dtype`.
     float32 gives bitwise-reproducible runs on CPU."""
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel passed to transformers."""
+    attn_implementation: Literal["sdpa", "eager", "varlen"] = "sdpa"
+    """Attention kernel of the trainer's forwards, passed to transformers. ``varlen`` attends packed rows
+    by their sequence boundaries instead of a mask (`llmrl.models.varlen`: torch's variable-length
+    flash attention on CUDA, a span-by-span reference elsewhere); it needs ``training.share_prefixes:
+    false`` and has not been measured on a GPU yet. The embedded engine serves with ``sdpa`` then."""
     trust_remote_code: bool = False
     """Allow model code from the hub; off unless you trust the repository."""
     lora: LoraConfig | None = None

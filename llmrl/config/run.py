@@ -70,6 +70,11 @@ class RunConfig(Section):
                 "model.dtype: float16 compute over float32 master weights needs loss scaling, which llmrl does "
                 "not do (float16 gradients underflow without it); use bfloat16, or training.master_dtype: float16"
             )
+        if self.model.attn_implementation == "varlen" and training.share_prefixes:
+            raise ValueError(
+                "model.attn_implementation: varlen attends whole sequences and cannot keep a shared prompt's "
+                "samples apart; set training.share_prefixes: false"
+            )
         self._check_colocation()
         self._check_partial_rollouts()
         # vLLM is asked when it starts (`llmrl.inference.vllm.routed_experts`): whether it returns routes

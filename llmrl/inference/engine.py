@@ -225,7 +225,10 @@ class LocalEngine(InferenceInterface):
             model.spec,
             dtype=model.dtype,
             device=device,
-            attn_implementation=model.attn_implementation,
+            # The engine's own decoder attends its KV cache; varlen is the trainer's packed-row kernel.
+            attn_implementation="sdpa"
+            if model.attn_implementation == "varlen"
+            else model.attn_implementation,
             trust_remote_code=model.trust_remote_code,
         )
         return cls(

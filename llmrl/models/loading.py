@@ -34,6 +34,8 @@ from llmrl.config import config_folder_of_missing_spec, training_hint
 from llmrl.errors import ModelSpecError, UserError
 from llmrl.models.tiny import TINY_MODELS, tiny_model_path
 from llmrl.models.upcycle import UPCYCLED_MODELS, upcycled_model_path
+from llmrl.models.varlen import VARLEN
+from llmrl.models.varlen import register as register_varlen
 
 TINY_SCHEME = "tiny://"
 PATH_STARTS = (".", "/", "~")
@@ -184,10 +186,10 @@ def check_supported(config: object, attn_implementation: str | None = None) -> N
                 )
         implementation = attn_implementation or getattr(text_config, "_attn_implementation", None)
         softcap = getattr(text_config, "attn_logit_softcapping", None)
-        if softcap is not None and implementation == "sdpa":
+        if softcap is not None and implementation in ("sdpa", "varlen"):
             raise ModelSpecError(
                 f"model type {model_type!r}: attention logit soft-capping (attn_logit_softcapping={softcap}) is not "
-                f"supported with attn_implementation='sdpa', which cannot soft-cap; use attn_implementation='eager'"
+                f"supported with attn_implementation='{implementation}', which cannot soft-cap; use attn_implementation='eager'"
             )
         if getattr(text_config, "use_bidirectional_attention", False):
             raise ModelSpecError(
@@ -260,6 +262,9 @@ def load_model(
     except OSError as exc:
         raise _load_error(spec, source, "config", exc) from exc
     check_supported(config, attn_implementation)
+    if attn_implementation == "varlen":
+        register_varlen()
+        attn_implementation = VARLEN
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             model = model_class.from_config(

@@ -67,3 +67,27 @@ def test_float32_on_a_gpu_matches_its_own_rerun(tmp_path, tiny_model_path):
     assert [r.get("train/loss") for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [
         r.get("train/loss") for r in read_metrics(tmp_path / "b" / "metrics.jsonl")
     ]
+
+
+def test_varlen_attention_on_a_gpu_gives_the_masked_kernels_numbers(tiny_model_path):
+    """torch's variable-length flash attention over packed rows: sdpa's logprobs and gradients, in
+    bfloat16 (flash attention's dtype), so to bfloat16's precision."""
+    from llmrl.algorithms.logprobs import token_logprobs
+    from llmrl.algorithms.packing import build_batch, pack
+    from llmrl.models import load_model
+
+    generator = torch.Generator().manual_seed(1)
+    lengths = [7, 12, 5, 9, 3, 14]
+    sequences = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in lengths]
+    batch = build_batch(sequences, pack(lengths, max_tokens=24), pad_token_id=0).to("cuda")
+    results = []
+    for implementation in ("sdpa", "varlen"):
+        model, _ = load_model(
+            "tiny://arithmetic", dtype="bfloat16", device="cuda", attn_implementation=implementation
+        )
+        logprobs, _ = token_logprobs(model, batch)
+        (logprobs * batch.loss_mask).sum().backward()
+        results.append((logprobs.detach().float(), model.lm_head.weight.grad.float()))
+    (masked, masked_grad), (varlen, varlen_grad) = results
+    torch.testing.assert_close(varlen, masked, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(varlen_grad, masked_grad, atol=5e-2, rtol=5e-2)
