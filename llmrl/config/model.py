@@ -45,7 +45,7 @@ class ModelConfig(Section):
     float32 gives bitwise-reproducible runs on CPU."""
     attn_implementation: Literal["sdpa", "eager", "varlen"] = "sdpa"
     """Attention kernel of the trainer's forwards, passed to transformers. ``varlen`` attends packed rows
-    by their sequence boundaries instead of a mask (`llmrl.models.varlen`: torch's variable-length
+    by their sequence boundaries instead of a mask (`llmrl.algorithms.varlen`: torch's variable-length
     flash attention on CUDA, a span-by-span reference elsewhere); it needs ``training.share_prefixes:
     false`` and has not been measured on a GPU yet. The embedded engine serves with ``sdpa`` then."""
     trust_remote_code: bool = False

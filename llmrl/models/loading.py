@@ -30,12 +30,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from llmrl.algorithms.varlen import VARLEN
+from llmrl.algorithms.varlen import register as register_varlen
 from llmrl.config import config_folder_of_missing_spec, training_hint
 from llmrl.errors import ModelSpecError, UserError
 from llmrl.models.tiny import TINY_MODELS, tiny_model_path
 from llmrl.models.upcycle import UPCYCLED_MODELS, upcycled_model_path
-from llmrl.models.varlen import VARLEN
-from llmrl.models.varlen import register as register_varlen
 
 TINY_SCHEME = "tiny://"
 PATH_STARTS = (".", "/", "~")

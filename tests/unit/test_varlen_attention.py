@@ -1,15 +1,16 @@
-"""Attention by sequence boundaries (`llmrl.models.varlen`) against the masked kernels, on a CPU."""
+"""Attention by sequence boundaries (`llmrl.algorithms.varlen`) against the masked kernels, on a CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from llmrl.algorithms import varlen as varlen_kernel
 from llmrl.algorithms.logprobs import token_logprobs
 from llmrl.algorithms.packing import build_batch, pack
+from llmrl.algorithms.varlen import VARLEN, reference_attention, sequence_boundaries
 from llmrl.config import ConfigError, load_config
 from llmrl.models import load_model
-from llmrl.models.varlen import VARLEN, reference_attention, sequence_boundaries
 
 
 def test_boundaries_start_each_row_and_each_restart_of_the_positions():
@@ -40,7 +41,15 @@ def test_reference_attention_is_causal_sdpa_within_each_span_with_grouped_heads(
             torch.testing.assert_close(out[start:stop, head], scores.softmax(-1) @ v)
 
 
-def test_packed_logprobs_and_gradients_equal_the_masked_kernels(tiny_model_path):
+def counted(function, calls):
+    def wrapper(*args):
+        calls.append(args)
+        return function(*args)
+
+    return wrapper
+
+
+def test_packed_logprobs_and_gradients_equal_the_masked_kernels(tiny_model_path, monkeypatch):
     """The tiny model on rows packing several sequences: varlen gives sdpa's logprobs and gradients."""
     generator = torch.Generator().manual_seed(1)
     lengths = [7, 12, 5, 9, 3, 14]
@@ -51,7 +60,13 @@ def test_packed_logprobs_and_gradients_equal_the_masked_kernels(tiny_model_path)
     for implementation in ("sdpa", "varlen"):
         model, _ = load_model("tiny://arithmetic", attn_implementation=implementation)
         assert model.config._attn_implementation == (VARLEN if implementation == "varlen" else "sdpa")
+        calls = []
+        monkeypatch.setattr(
+            varlen_kernel, "sequence_boundaries", counted(varlen_kernel.sequence_boundaries, calls)
+        )
         logprobs, _ = token_logprobs(model, batch)
+        # varlen finds the boundaries once per forward, not once per layer
+        assert len(calls) == (1 if implementation == "varlen" else 0)
         (logprobs * batch.loss_mask).sum().backward()
         results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (masked, masked_grads), (varlen, varlen_grads) = results

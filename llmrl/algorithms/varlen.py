@@ -16,6 +16,7 @@ its own decoder). Shared prefixes cannot be written as spans, so it runs with
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -56,6 +57,20 @@ def reference_attention(
     return out
 
 
+@functools.cache
+def _varlen_options(grouped: bool) -> tuple[dict[str, Any], bool]:
+    """Keyword arguments making torch's `varlen_attn` causal (and grouped-query where asked and it can),
+    and whether the caller must repeat the key/value heads itself; read once per process."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = inspect.signature(varlen_attn).parameters
+    # Causality is a window (-1, 0) in newer torch, a flag in older.
+    options: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if grouped and "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    return options, grouped and "enable_gqa" not in parameters
+
+
 def _flash_varlen(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -66,16 +81,18 @@ def _flash_varlen(
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    parameters = inspect.signature(varlen_attn).parameters
-    # Causality is a window (-1, 0) in newer torch, a flag in older.
-    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    if query.shape[1] != key.shape[1]:
-        if "enable_gqa" in parameters:
-            causal["enable_gqa"] = True
-        else:
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, **causal)
+    options, repeat = _varlen_options(query.shape[1] != key.shape[1])
+    if repeat:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, **options)
+
+
+def boundary_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments a model's forward passes down to `varlen_attention`, so that the sequence
+    boundaries are found once per forward rather than once per layer."""
+    cu, longest = sequence_boundaries(position_ids)
+    return {"cu_seq_lens_q": cu, "max_length_q": longest}
 
 
 def varlen_attention(
@@ -98,27 +115,21 @@ def varlen_attention(
     if dropout:
         raise ValueError("attn_implementation varlen has no dropout (the trainer runs none)")
     batch, heads, width, dim = query.shape
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(width, device=query.device).expand(batch, width)
-    cu, longest = sequence_boundaries(position_ids.to(query.device))
+    if "cu_seq_lens_q" in kwargs:  # `boundary_kwargs`, from the caller
+        cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    else:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(width, device=query.device).expand(batch, width)
+        cu, longest = sequence_boundaries(position_ids.to(query.device))
     flat_query = query.transpose(1, 2).reshape(batch * width, heads, dim)
     flat_key = key.transpose(1, 2).reshape(batch * width, key.shape[1], dim)
     flat_value = value.transpose(1, 2).reshape(batch * width, value.shape[1], dim)
-    attend = _flash_varlen if query.is_cuda else _reference
-    out = attend(flat_query, flat_key, flat_value, cu, longest, scaling)
+    if query.is_cuda:
+        out = _flash_varlen(flat_query, flat_key, flat_value, cu, longest, scaling)
+    else:
+        out = reference_attention(flat_query, flat_key, flat_value, cu, scaling)
     return out.reshape(batch, width, heads, dim), None
-
-
-def _reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
-    scale: float | None,
-) -> torch.Tensor:
-    return reference_attention(query, key, value, cu, scale)
 
 
 def register() -> None:
