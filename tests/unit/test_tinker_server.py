@@ -638,3 +638,21 @@ def test_training_runs_are_listed_from_memory_and_storage(base_url, service_clie
     assert listed.cursor.total_count >= len(listed.training_runs)
     with pytest.raises(tinker.NotFoundError, match="training_run_id: no training run 'nobody'"):
         rest.get_training_run("nobody").result(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "Invalid JSON"),
+        (b'{"tinker_path": 3}', "tinker_path: Input should be a valid string"),
+        (b"{}", "tinker_path: Field required"),
+    ],
+    ids=["not json", "not a string", "absent"],
+)
+def test_a_malformed_weights_info_request_is_a_422_naming_the_field(base_url, body, message):
+    answer = httpx.post(
+        f"{base_url}/api/v1/weights_info", content=body, headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 422
+    (line,) = answer.json()["error"]["message"].splitlines()
+    assert message in line, line

@@ -18,6 +18,7 @@ from llmrl.server.tinker.checkpoints import delete_checkpoint, list_checkpoints
 from llmrl.server.tinker.service import TinkerService
 from llmrl.server.tinker.wire import (
     Refused,
+    WeightsInfoRequest,
     generation_args,
     parse_forward_backward,
     prompt_logprobs,
@@ -164,11 +165,8 @@ def create_tinker_app(service: TinkerService, *, max_body_bytes: int = 256 * MIB
 
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request) -> dict:
-        body = await request.json() if await request.body() else {}
-        tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
-        if not isinstance(tinker_path, str):
-            raise Refused(422, "tinker_path: required, a string")
-        return service.weights_info(tinker_path).model_dump(mode="json", exclude_none=True)
+        body = validated(WeightsInfoRequest, await request.body())
+        return service.weights_info(body.tinker_path).model_dump(mode="json", exclude_none=True)
 
     @app.get("/api/v1/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0) -> dict:

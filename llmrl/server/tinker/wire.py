@@ -226,6 +226,12 @@ def prompt_logprobs(token_logprobs: torch.Tensor, last_n: int | None) -> np.ndar
     return values
 
 
+class WeightsInfoRequest(BaseModel):
+    """``RestClient.get_weights_info_by_tinker_path``'s body (the SDK sends it without a type of its own)."""
+
+    tinker_path: str
+
+
 def validated(model: type[BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
