@@ -1,6 +1,7 @@
 """Generation throughput: LocalEngine against Hugging Face `generate` on the same prompts.
 
     python bench/generation.py [--model tiny://arithmetic] [--repeats 9] [--threads N] [--quick]
+                               [--cuda-graphs auto|on|off]
 
 Workloads (completion tokens per second, higher is better):
 
@@ -136,13 +137,14 @@ def long_prompt_group(tokenizer, length: int, samples: int) -> Group:
 # Runners
 
 
-def new_engine(model, tokenizer, workload: Workload) -> LocalEngine:
+def new_engine(model, tokenizer, workload: Workload, cuda_graphs: str = "auto") -> LocalEngine:
     return LocalEngine(
         model,
         tokenizer,
         max_concurrent=ROWS_PER_CALL,
         seed=0,
         eos_token_ids=() if workload.ignore_eos else None,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -313,12 +315,14 @@ def interleaved(repeats: int, runners: dict[str, Callable[[int], T]]) -> dict[st
     return results
 
 
-def compare(model, tokenizer, workload: Workload, repeats: int) -> dict[str, list[Run]]:
+def compare(
+    model, tokenizer, workload: Workload, repeats: int, cuda_graphs: str = "auto"
+) -> dict[str, list[Run]]:
     """Interleaved runs of the engine and `generate`.
 
     The engine is built once and serves every repeat, as the trainer's engine serves every step;
     each runner runs once untimed before the repeats."""
-    engine = new_engine(model, tokenizer, workload)
+    engine = new_engine(model, tokenizer, workload, cuda_graphs)
     runners = {
         "engine": lambda _: run_engine(engine, workload),
         "generate": lambda _: run_generate(model, tokenizer, workload),
@@ -334,6 +338,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
+    parser.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the engine's inference.cuda_graphs (on a CPU, `on` runs the paged static decoder eagerly)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -364,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(header)
     for workload in workloads(tokenizer, args.quick):
-        runs = compare(model, tokenizer, workload, args.repeats)
+        runs = compare(model, tokenizer, workload, args.repeats, args.cuda_graphs)
         rates = {name: [r.tokens / r.seconds for r in rs] for name, rs in runs.items()}
         ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
         # Useful FLOPs of what each produced, over its median time.
@@ -392,7 +402,13 @@ def main(argv: list[str] | None = None) -> None:
     base: dict[str, float] = {}
     for size in (1, 2, 4, 8, 16):
         group = long_prompt_group(tokenizer, 256, size)
-        runs = compare(model, tokenizer, Workload(f"group{size}", [group], ignore_eos=True), args.repeats)
+        runs = compare(
+            model,
+            tokenizer,
+            Workload(f"group{size}", [group], ignore_eos=True),
+            args.repeats,
+            args.cuda_graphs,
+        )
         per_sample = {
             name: 1e3 * statistics.median(r.seconds for r in rs) / size for name, rs in runs.items()
         }

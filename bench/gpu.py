@@ -3,6 +3,7 @@ share.
 
     python bench/gpu.py [--sizes 0.5b 1.5b] [--prompts 64] [--group-size 8] [--prompt-tokens 128]
                         [--new-tokens 512] [--micro-batch-tokens 16384] [--pack-row-tokens 4096]
+                        [--cuda-graphs both|on|off]
 
 For each size, a Qwen2 model with the shapes of Qwen2.5-0.5B or -1.5B and random weights (no hub),
 float32 master weights on the GPU, and one GRPO-shaped step: `prompts` prompts of `prompt-tokens`
@@ -11,7 +12,10 @@ random ids, `group-size` samples each, exactly `new-tokens` new tokens per sampl
 - **generation**: `LocalEngine` on a bfloat16 copy against Hugging Face `generate` with a KV cache
   on the same copy (every row in one call, as the engine takes them all at once); completion
   tokens per second, and the model FLOPs of what each produced over its time, as a share of the
-  bfloat16 matrix peak measured in the same run (an 8192^3 product).
+  bfloat16 matrix peak measured in the same run (an 8192^3 product). The engine is timed once per
+  `--cuda-graphs` value (`both`: its decode steps eager, then captured as CUDA graphs; on a CPU
+  "on" runs the same static decode eagerly), each on a fresh engine and its own warm-up, `generate`
+  once; a value that fails is reported and the others go on (the exit status is then 1).
 - **training**: `PolicyUpdate`, the trainer's step (logprobs, GRPO loss, backward, AdamW) in
   bfloat16 autocast over the float32 masters, on the engine's rollouts with random rewards, with
   and without activation checkpointing, deterministic kernels on as the trainer runs them; tokens
@@ -21,6 +25,7 @@ random ids, `group-size` samples each, exactly `new-tokens` new tokens per sampl
 
 The first size's first runs include CUDA's start-up; each measurement runs once untimed first.
 `--sizes tiny` is a small config that runs on a CPU (a check of the script, not a figure).
+`bench/profile_step.py` profiles one generation and one update of the same model.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ import asyncio
 import contextlib
 import copy
 import gc
+import math
 import statistics
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +54,7 @@ from llmrl.inference.interface import run_in_new_loop
 from llmrl.models import tiny_model_path
 from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.models.shape import ModelShape
-from llmrl.rollouts import prepare_batch
+from llmrl.rollouts.batch import RolloutBatch, prepare_batch
 from llmrl.trainer.memory import GB, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.trainer import _deterministic_algorithms
@@ -172,20 +180,26 @@ def run_generate(model, full_prompts: list[list[int]], shape: Shape, new_tokens:
     return time.perf_counter() - began
 
 
-def generation(
-    master: Qwen2ForCausalLM, tokenizer, shape: Shape, peak: float, reference: bool
-) -> tuple[dict[str, float], list]:
-    served = copy.deepcopy(master).to(torch.bfloat16).eval()
-    prompts = prompts_of(shape, master.config.vocab_size)
+def make_engine(served: torch.nn.Module, tokenizer, shape: Shape, cuda_graphs: str) -> LocalEngine:
+    """The engine as the bench runs it: every row at once, eos off; `cuda_graphs` "on", "off" or "auto"."""
     context = shape.prompt_tokens + 8 + shape.new_tokens
-    engine = LocalEngine(
+    return LocalEngine(
         served,
         tokenizer,
         max_concurrent=shape.rows,
         seed=0,
         eos_token_ids=(),
         max_batch_tokens=shape.prompts * context + shape.rows * shape.new_tokens,
+        cuda_graphs=cuda_graphs,
     )
+
+
+def generation(
+    master: Qwen2ForCausalLM, tokenizer, shape: Shape, peak: float, reference: bool, cuda_graphs: str = "off"
+) -> tuple[dict[str, float], list]:
+    served = copy.deepcopy(master).to(torch.bfloat16).eval()
+    prompts = prompts_of(shape, master.config.vocab_size)
+    engine = make_engine(served, tokenizer, shape, cuda_graphs)
     run_engine(engine, prompts, shape, 8)
     engine_s, results = run_engine(engine, prompts, shape, shape.new_tokens)
     generate_s = float("nan")
@@ -222,37 +236,22 @@ def groups_of(results: list) -> list[RolloutGroup]:
     return groups
 
 
-def training(
-    master: Qwen2ForCausalLM,
-    groups: list[RolloutGroup],
-    shape: Shape,
-    args: argparse.Namespace,
-    checkpointing: bool,
-    peak: float,
-) -> dict[str, float]:
-    device = master.device.type
-    policy = copy.deepcopy(master).train()
-    if checkpointing:
-        enable_activation_checkpointing(policy)
-    config = TrainingConfig(
+def training_config(args: argparse.Namespace, checkpointing: bool) -> TrainingConfig:
+    """The update's settings from the command line (`micro_batch_tokens`, `pack_row_tokens`, `share_prefixes`)."""
+    return TrainingConfig(
         lr=1e-6,
         micro_batch_tokens=args.micro_batch_tokens,
         pack_row_tokens=args.pack_row_tokens,
         share_prefixes=args.share_prefixes,
         activation_checkpointing=checkpointing,
     )
+
+
+def make_update(
+    policy: torch.nn.Module, groups: list[RolloutGroup], shape: Shape, config: TrainingConfig
+) -> tuple[PolicyUpdate, RolloutBatch]:
+    """The trainer's step over `policy` (AdamW, bfloat16 autocast) and the GRPO batch of `groups`."""
     algorithm = AlgorithmConfig()
-    settings = MemorySettings(
-        master_dtype=torch.float32,
-        compute_dtype=torch.bfloat16,
-        world_size=1,
-        micro_batch_tokens=config.micro_batch_tokens,
-        row_tokens=config.pack_row_tokens,
-        activation_checkpointing=checkpointing,
-        reference_model=False,
-        engine_tokens=None,
-    )
-    plan = plan_memory(policy, settings, device)
     optimizer, _ = build_optimizer(policy, config)
     update = PolicyUpdate(
         policy,
@@ -267,6 +266,34 @@ def training(
     batch, _ = prepare_batch(
         groups, group_size=shape.group_size, algorithm=algorithm, max_tokens=shape.new_tokens
     )
+    return update, batch
+
+
+def training(
+    master: Qwen2ForCausalLM,
+    groups: list[RolloutGroup],
+    shape: Shape,
+    args: argparse.Namespace,
+    checkpointing: bool,
+    peak: float,
+) -> dict[str, float]:
+    device = master.device.type
+    policy = copy.deepcopy(master).train()
+    if checkpointing:
+        enable_activation_checkpointing(policy)
+    config = training_config(args, checkpointing)
+    settings = MemorySettings(
+        master_dtype=torch.float32,
+        compute_dtype=torch.bfloat16,
+        world_size=1,
+        micro_batch_tokens=config.micro_batch_tokens,
+        row_tokens=config.pack_row_tokens,
+        activation_checkpointing=checkpointing,
+        reference_model=False,
+        engine_tokens=None,
+    )
+    plan = plan_memory(policy, settings, device)
+    update, batch = make_update(policy, groups, shape, config)
     trained = [r for r, a in zip(batch.rollouts, batch.advantages.tolist(), strict=True) if a != 0]
     tokens = sum(len(r.tokens) for r in trained)
     lengths = [(len(r.trajectory[0]), len(r.trajectory[1])) for r in trained]
@@ -283,7 +310,7 @@ def training(
             peaks.append(memory.take())
     seconds = statistics.median(times[1:])
     flops = 3 * forward_flops(policy, lengths, shared_prompts=0)
-    del update, optimizer, policy
+    del update, policy
     return {
         "tok_s": tokens / seconds,
         "seconds": seconds,
@@ -322,6 +349,12 @@ def main() -> None:
     )
     parser.add_argument("--checkpointing", choices=["both", "off", "on"], default="both")
     parser.add_argument(
+        "--cuda-graphs",
+        choices=["both", "off", "on"],
+        default="both",
+        help="the engine's decode steps eager (off), captured as CUDA graphs (on), or each in turn",
+    )
+    parser.add_argument(
         "--reference",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -347,18 +380,41 @@ def main() -> None:
         f"{args.pack_row_tokens}",
         flush=True,
     )
+    graph_modes = {"both": ("off", "on"), "off": ("off",), "on": ("on",)}[args.cuda_graphs]
+    failed = False
     rows = []
     for size in args.sizes:
         master = build_model(size, device, max_positions=shape.prompt_tokens + shape.new_tokens + 64)
         parameters = sum(p.numel() for p in master.parameters())
-        gen, results = generation(master, tokenizer, shape, peak, args.reference)
-        free(device)
-        print(
-            f"{size}: {parameters / 1e9:.2f}B parameters; engine {gen['engine_tok_s']:.0f} tok/s "
-            f"({gen['engine_mfu']:.1%} of peak), generate {gen['generate_tok_s']:.0f} tok/s "
-            f"({gen['generate_mfu']:.1%})",
-            flush=True,
-        )
+        gens: dict[str, dict[str, float]] = {}  # the engine's figures by graph mode
+        generate_tok_s = math.nan  # Hugging Face `generate`, timed beside the first engine that runs
+        results = None
+        for mode in graph_modes:
+            reference = args.reference and math.isnan(generate_tok_s)
+            try:
+                gen, mode_results = generation(master, tokenizer, shape, peak, reference, cuda_graphs=mode)
+            except Exception:  # reported; the other modes still run and the exit status says so
+                failed = True
+                print(f"{size}: engine (graphs {mode}) failed:", flush=True)
+                traceback.print_exc()
+                gen, mode_results = {"engine_tok_s": math.nan, "engine_mfu": math.nan}, None
+            free(device)
+            gens[mode] = gen
+            if mode_results is None:
+                continue
+            results = results or mode_results
+            line = (
+                f"{size}: {parameters / 1e9:.2f}B parameters; engine (graphs {mode}) "
+                f"{gen['engine_tok_s']:.0f} tok/s ({gen['engine_mfu']:.1%} of peak)"
+            )
+            if reference:
+                generate_tok_s = gen["generate_tok_s"]
+                line += f", generate {generate_tok_s:.0f} tok/s ({gen['generate_mfu']:.1%})"
+            print(line, flush=True)
+        if results is None:
+            del master
+            free(device)
+            continue
         groups = groups_of(results)
         for checkpointing in {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]:
             train = training(master, groups, shape, args, checkpointing, peak)
@@ -372,22 +428,33 @@ def main() -> None:
                 f"{train['mismatch_kl']:.1e}",
                 flush=True,
             )
-            rows.append((size, parameters, gen, label, train, error))
+            rows.append((size, parameters, gens, generate_tok_s, label, train, error))
         del master, results, groups
         free(device)
 
-    print(
-        "\n| model | parameters | engine tok/s | generate tok/s | engine / generate | engine FLOP share "
-        "| activations | train tok/s | train FLOP share | plan GB | peak GB | plan error |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for size, parameters, gen, label, train, error in rows:
-        print(
-            f"| Qwen2.5-{size.upper()} shape | {parameters / 1e9:.2f}B | {gen['engine_tok_s']:.0f} | "
-            f"{gen['generate_tok_s']:.0f} | {gen['engine_tok_s'] / gen['generate_tok_s']:.2f}x | "
-            f"{gen['engine_mfu']:.1%} | {label} | {train['tok_s']:.0f} | {train['mfu']:.1%} | "
-            f"{train['plan_gb']:.2f} | {train['peak_gb']:.2f} | {error:+.1%} |"
-        )
+    # One row per size and activation mode; the engine's columns once per graph mode.
+    engine_columns = [
+        column
+        for mode in graph_modes
+        for column in (f"engine tok/s (graphs {mode})", f"engine / generate (graphs {mode})")
+    ] + [f"engine FLOP share (graphs {mode})" for mode in graph_modes]
+    columns = ["model", "parameters", *engine_columns, "generate tok/s", "activations", "train tok/s"]
+    columns += ["train FLOP share", "plan GB", "peak GB", "plan error"]
+    print("\n| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for size, parameters, gens, generate_tok_s, label, train, error in rows:
+        cells = [f"Qwen2.5-{size.upper()} shape", f"{parameters / 1e9:.2f}B"]
+        for mode in graph_modes:
+            cells += [
+                f"{gens[mode]['engine_tok_s']:.0f}",
+                f"{gens[mode]['engine_tok_s'] / generate_tok_s:.2f}x",
+            ]
+        cells += [f"{gens[mode]['engine_mfu']:.1%}" for mode in graph_modes]
+        cells += [f"{generate_tok_s:.0f}", label, f"{train['tok_s']:.0f}", f"{train['mfu']:.1%}"]
+        cells += [f"{train['plan_gb']:.2f}", f"{train['peak_gb']:.2f}", f"{error:+.1%}"]
+        print("| " + " | ".join(cells) + " |")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

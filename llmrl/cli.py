@@ -261,6 +261,7 @@ def cmd_serve_inference(args: argparse.Namespace) -> int:
             max_batch_tokens=args.max_batch_tokens,
             max_concurrent=args.max_concurrent,
             weight_update=args.weight_update,
+            cuda_graphs=args.cuda_graphs,
         )
     return 0
 
@@ -419,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="wait",
         choices=["wait", "abort", "in_flight"],
         help="what a weight update does with running requests (inference.weight_update)",
+    )
+    serve_inference.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="decode steps at fixed shapes, replayed as CUDA graphs (inference.cuda_graphs)",
     )
 
     serve_tinker = command(

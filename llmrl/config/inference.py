@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from llmrl.config.sections import Section
 from llmrl.types import GenerationArgs
@@ -152,6 +152,12 @@ class InferenceConfig(Section):
     """The embedded engine returns, with each completion, the experts a mixture-of-experts model's routers
     chose for every token it read (`InferenceResponse.routed_experts`). A run sets it from
     `training.router_replay`."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """How the embedded engine (and `llmrl serve-inference`) runs its decode steps on a Llama or Qwen2
+    model. `on`: over a paged KV cache at fixed batch-size buckets (1, 2, 4, 8, then multiples of 16), each
+    captured once as a CUDA graph and replayed, prefill eager; on a CPU the same step runs eagerly, with the
+    numbers of `off`. `off`: launched op by op, group prompts shared by cascade attention. `auto`: `off`,
+    until graphs have been measured on a card (docs/benchmarks.md)."""
     weight_sync_bucket_mb: int = Field(512, ge=1)
     """Most megabytes of weights moved as one bucket (a decoder layer larger than that is one bucket): under
     torchrun, gathered at once from the shards for rank 0's inference side (and for a checkpoint), each handed
@@ -180,6 +186,13 @@ class InferenceConfig(Section):
     def in_every_process(self) -> bool:
         """Whether every process of a torchrun run holds an engine (colocated vLLM), rather than rank 0 alone."""
         return self.type == "vllm" and self.vllm.mode == "colocate"
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        return (
+            {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        )  # YAML's bare on/off
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,8 @@ protocol, `build_decoder`, which picks one, and the generic fallback:
   and a forward pass in plain torch ops (``llama_forward.py``), rows of every request batched in
   one step, a GRPO group's long prompt kept once. It keeps the q/k/v and gate/up projections
   fused in tensors of its own, which replace the model's when the engine owns the model.
+* `PagedLlamaDecoder` (``static_decode.py``; the same models, with ``inference.cuda_graphs: on``):
+  a paged KV cache and a decode step over fixed buffers, replayed as CUDA graphs on a GPU.
 * `HFDecoder` (any other causal LM): the model's own forward with one transformers
   ``DynamicCache`` per prompt group (prefilled once, repeated to ``n`` rows), one forward per group
   per step. Slower (no batching across requests), but works for every architecture with a cache.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -26,8 +28,11 @@ from transformers import DynamicCache
 from llmrl.inference.kv_cache import max_positions
 from llmrl.inference.llama_decoder import LlamaFamilyDecoder
 from llmrl.inference.merging import MergedWeights
+from llmrl.inference.static_decode import PagedLlamaDecoder
 
-__all__ = ["Decoder", "HFDecoder", "LlamaFamilyDecoder", "build_decoder"]
+__all__ = ["CudaGraphs", "Decoder", "HFDecoder", "LlamaFamilyDecoder", "PagedLlamaDecoder", "build_decoder"]
+
+CudaGraphs = Literal["auto", "on", "off"]
 
 
 class Decoder(Protocol):
@@ -76,11 +81,27 @@ class Decoder(Protocol):
 
 
 def build_decoder(
-    model: torch.nn.Module, *, max_rows: int | None = None, owns_model: bool = False
+    model: torch.nn.Module,
+    *,
+    max_rows: int | None = None,
+    owns_model: bool = False,
+    cuda_graphs: CudaGraphs = "off",
+    reserve_tokens: int = 8192,
 ) -> Decoder:
     """`LlamaFamilyDecoder` where the architecture allows it (`max_rows`: how far its row capacity
     doubles; `owns_model`: it may release the model's tensors it keeps fused), else the generic
-    `HFDecoder`."""
+    `HFDecoder`. With `cuda_graphs` ``on``, the paged, static decoder (`PagedLlamaDecoder`,
+    ``static_decode.py``, its pool first sized for `reserve_tokens`): graphed on CUDA, the same
+    function run eagerly elsewhere. ``auto`` is ``off`` until graphs have run on a card."""
+    if cuda_graphs == "on":
+        if not LlamaFamilyDecoder.supports(model):
+            raise ValueError(
+                "inference.cuda_graphs: on needs a Llama or Qwen2 model (the compact decoder); "
+                f"{type(model).__name__} runs on the generic decoder: set inference.cuda_graphs: off"
+            )
+        return PagedLlamaDecoder(
+            model, max_rows=max_rows, owns_model=owns_model, reserve_tokens=reserve_tokens
+        )
     if LlamaFamilyDecoder.supports(model):
         return LlamaFamilyDecoder(model, max_rows=max_rows, owns_model=owns_model)
     return HFDecoder(model)

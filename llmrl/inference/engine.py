@@ -52,7 +52,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from llmrl.config import InferenceConfig, ModelConfig
-from llmrl.inference.decoder import Decoder, LlamaFamilyDecoder, build_decoder
+from llmrl.inference.decoder import CudaGraphs, Decoder, LlamaFamilyDecoder, build_decoder
 from llmrl.inference.driver import EngineSteps, RequestDriver, WeightUpdateMode
 from llmrl.inference.interface import Health, InferenceInterface, run_sync
 from llmrl.inference.kv_cache import list_tensor
@@ -126,6 +126,7 @@ class LocalEngine(InferenceInterface):
         seed: int | None = None,
         owns_model: bool = False,
         record_routes: bool = False,
+        cuda_graphs: CudaGraphs = "auto",
     ):
         """
         Args:
@@ -150,6 +151,9 @@ class LocalEngine(InferenceInterface):
             record_routes: each response carries the experts a mixture-of-experts model's routers chose
                 for every token the engine read (`InferenceResponse.routed_experts`, router replay);
                 refused for a model without MoE layers.
+            cuda_graphs: ``on``: decode steps over a paged KV cache at fixed bucket shapes, captured as
+                CUDA graphs on a GPU and run eagerly elsewhere (Llama/Qwen2 models; `build_decoder`);
+                ``off``: launched op by op; ``auto``: ``off`` until graphs have run on a card.
         """
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
@@ -159,6 +163,8 @@ class LocalEngine(InferenceInterface):
             weight_update = "wait"
         if weight_update not in get_args(WeightUpdateMode):
             raise ValueError(f"weight_update must be 'wait', 'abort' or 'in_flight', got {weight_update!r}")
+        if cuda_graphs not in get_args(CudaGraphs):
+            raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {cuda_graphs!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         check_supported(model.config)  # before the first generation, not after it
@@ -171,7 +177,13 @@ class LocalEngine(InferenceInterface):
         # Built before the decoder releases any of the model's tensors: updates are checked against them all.
         self._transports = in_process_transports(model, self._apply_update, max_version=MAX_POLICY_VERSION)
         self._routes = RouteRecorder(model) if record_routes else None
-        self._decoder: Decoder = build_decoder(model, max_rows=max_concurrent, owns_model=owns_model)
+        self._decoder: Decoder = build_decoder(
+            model,
+            max_rows=max_concurrent,
+            owns_model=owns_model,
+            cuda_graphs=cuda_graphs,
+            reserve_tokens=max_batch_tokens,
+        )
         self._eos_ids = frozenset(
             _default_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids
         )
@@ -240,6 +252,7 @@ class LocalEngine(InferenceInterface):
             seed=seed,
             owns_model=True,
             record_routes=config.record_routes,
+            cuda_graphs=config.cuda_graphs,
         )
 
     @property

@@ -192,7 +192,7 @@ class KVCache:
 
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop `rows` (and groups left without rows); return the old index of each remaining row."""
-        order = _swap_remove(self.num_rows, rows, (self.row_k, self.row_v), max(self.cached, default=0))
+        order = swap_remove(self.num_rows, rows, (self.row_k, self.row_v), max(self.cached, default=0))
         for row in rows:
             self.group_rows[self.row_group[row]] -= 1
         self.row_group = [self.row_group[r] for r in order]
@@ -200,7 +200,7 @@ class KVCache:
         self.reach = [self.reach[r] for r in order]
         dead = [g for g, live in enumerate(self.group_rows) if live == 0]
         if dead:
-            group_order = _swap_remove(
+            group_order = swap_remove(
                 self.num_groups, dead, (self.shared_k, self.shared_v), max(self.shared_lengths)
             )
             new_index = {old: new for new, old in enumerate(group_order)}
@@ -211,10 +211,11 @@ class KVCache:
         return order
 
 
-def _swap_remove(
-    count: int, removed: list[int], caches: tuple[torch.Tensor | None, ...], used: int
+def swap_remove(
+    count: int, removed: list[int], caches: tuple[torch.Tensor | None, ...] = (), used: int = 0
 ) -> list[int]:
-    """Remove entries from dim 1 of `caches` by moving the last live entries into the holes.
+    """Remove entries from dim 1 of `caches` by moving the last live entries into the holes (with no
+    caches: only the new order, for bookkeeping that follows the same rule).
 
     Returns the old index of each remaining entry in its new position. Copies only the moved
     entries' first `used` positions, so removal costs what it moves, not the batch size.

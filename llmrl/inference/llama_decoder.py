@@ -19,6 +19,8 @@ running, decode takes that path.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from llmrl.inference.kv_cache import KVCache, list_tensor, max_positions
@@ -97,15 +99,7 @@ class LlamaFamilyDecoder:
             eps=model.model.norm.variance_epsilon,
             act_fn=model.model.layers[0].mlp.act_fn,
         )
-        self.cache = KVCache(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            max_positions=self.max_positions,
-            device=first.device,
-            dtype=first.dtype,
-            max_rows=max_rows,
-        )
+        self.cache = self._new_cache(config, first, max_rows)
         self._positions = torch.empty(
             0, device=self.device, dtype=torch.int64
         )  # 0, 1, ...: spans are its slices
@@ -120,6 +114,18 @@ class LlamaFamilyDecoder:
         if owns_model:
             release_fused_originals(model, self.fused)
             self.released = frozenset(self.fused)
+
+    def _new_cache(self, config, first: torch.Tensor, max_rows: int | None) -> KVCache:
+        """The KV cache the rows live in, of `first`'s device and dtype."""
+        return KVCache(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_positions=self.max_positions,
+            device=first.device,
+            dtype=first.dtype,
+            max_rows=max_rows,
+        )
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """q/k/v and gate/up tensors written into their rows of the fused tensors (and into the model's
@@ -274,12 +280,30 @@ class LlamaFamilyDecoder:
             index.cached,
             self._positions[:span],
             self._rotation,
-            cache.row_k,
-            cache.row_v,
+            _RowCaches(cache.row_k, cache.row_v, span, index.cached),
             shared,
         )
         cache.advance()
         return logits
+
+
+class _RowCaches(NamedTuple):
+    """`RowCache` over `KVCache`'s row tensors: row i's positions are row i of the row caches."""
+
+    keys: torch.Tensor  # (layers, rows_cap, kv_heads, capacity, D)
+    values: torch.Tensor
+    span: int
+    cached: torch.Tensor  # (B,) each row's cached tokens: where its new key goes
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.cached.shape[0]
+        return self.keys[layer, :rows, :, : self.span], self.values[layer, :rows, :, : self.span]
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
+        index = torch.arange(self.cached.shape[0], device=self.cached.device)
+        self.keys[:, index, :, self.cached] = keys
+        self.values[:, index, :, self.cached] = values
 
 
 def _keep_nothing(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:

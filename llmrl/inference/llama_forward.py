@@ -24,7 +24,7 @@ heads of a kv head are the query axis.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,19 @@ class SharedPrompts(NamedTuple):
     grid_rows: torch.Tensor  # (groups, width): the row at each cell of the query grid (0 where none)
     row_group: torch.Tensor  # (B,)
     row_slot: torch.Tensor  # (B,)
+
+
+class RowCache(Protocol):
+    """Where a decode step reads each row's cached keys and values and writes the new ones."""
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s cached keys and values of the step's rows, (B, kv_heads, span, D) each."""
+        ...
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Cache every layer's new keys and values, (B, layers, kv_heads, D) each, at each row's
+        next position."""
+        ...
 
 
 class FusedRows(NamedTuple):
@@ -305,28 +318,23 @@ class LlamaForward:
         cached: torch.Tensor,
         positions: torch.Tensor,
         rotation_table: torch.Tensor,
-        row_k: torch.Tensor,
-        row_v: torch.Tensor,
+        cache: RowCache,
         shared: SharedPrompts | None,
     ) -> torch.Tensor:
         """One decode step of every row: next-token logits (B, V), and each row's new key and value
-        written into the row caches `row_k`/`row_v` at its position ``cached[row]``.
+        handed to ``cache.write`` for its position ``cached[row]``.
 
         Rows attend to their cache's first ``span`` positions (`positions`: 0, 1, ..., ``span - 1``,
-        every ``cached[row] <= span`` and ``span`` below the capacity), masked from ``cached[row]``
-        on. The masks and the rotary rows (from `rotation_table`, complex rows by position) are
-        built here from the per-row index tensors.
+        every ``cached[row] <= span``), masked from ``cached[row]`` on. The masks and the rotary
+        rows (from `rotation_table`, complex rows by position) are built here from the per-row
+        index tensors.
         """
-        rows = tokens.shape[0]
-        row_bias = _additive_mask(positions < cached[:, None], row_k.dtype)
+        row_bias = _additive_mask(positions < cached[:, None], weights.embed.dtype)
         rotation = rotation_table[cached if shared is None else shared.lengths + cached].unsqueeze(
             -2
         )  # over the heads
-        logits, keys, values = self.decode(weights, tokens, rotation, row_bias, row_k, row_v, shared)
-        # All layers' new keys and values in one write each: (B, layers, kv_heads, D).
-        index = torch.arange(rows, device=tokens.device)
-        row_k[:, index, :, cached] = keys
-        row_v[:, index, :, cached] = values
+        logits, keys, values = self.decode(weights, tokens, rotation, row_bias, cache.read, shared)
+        cache.write(keys, values)
         return logits
 
     def decode(
@@ -335,17 +343,16 @@ class LlamaForward:
         tokens: torch.Tensor,
         rotation: torch.Tensor,
         row_bias: torch.Tensor,
-        row_k: torch.Tensor,
-        row_v: torch.Tensor,
+        read_cache: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         shared: SharedPrompts | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token per row: (logits (B, V), new keys and values (B, layers, kv_heads, D)).
 
-        `row_bias` (B, span) masks the rows' cached positions (``row_k[:, :B, :, :span]``); the new
-        token attends to itself through its own key and value, which the caller then caches.
+        `read_cache(layer)` gives the rows' cached keys and values, (B, kv_heads, span, D) each,
+        whose positions `row_bias` (B, span) masks; the new token attends to itself through its
+        own key and value, which the caller then caches.
         """
         rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        span = row_bias.shape[1]
         bias = row_bias[:, None, None, :]  # (B, 1, 1, span)
         keys, values = [], []
         x = F.embedding(tokens, weights.embed).t()  # (hidden, B): the residual stream by columns
@@ -357,7 +364,7 @@ class LlamaForward:
             values.append(value)
             # Query heads grouped by their kv head, (B, Hkv, G, D): no repeated keys for GQA.
             q = qk[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
-            own = (row_k[index, :rows, :, :span], row_v[index, :rows, :, :span])
+            own = read_cache(index)
             if shared is None:
                 attn = self._attention(q, own, bias, key, value)
             else:

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmrl.errors import UserError
+from llmrl.inference.decoder import CudaGraphs
 from llmrl.inference.engine import LocalEngine, WeightUpdateMode
 from llmrl.inference.kv_cache import max_positions
 from llmrl.server.common import DEFAULT_HOST, error_response, resolve_api_key, run_server, secure_app
@@ -464,6 +465,7 @@ def serve_inference(
     max_batch_tokens: int = 8192,
     max_concurrent: int = 64,
     weight_update: WeightUpdateMode = "wait",
+    cuda_graphs: CudaGraphs = "auto",
 ) -> None:
     """Load `model_spec` (on the GPU when there is one) and serve it until interrupted, under the id
     `model_name` (default: `model_spec`; ``llmrl serve-inference``'s ``--model``, where it loads a
@@ -485,6 +487,7 @@ def serve_inference(
         weight_update=weight_update,
         seed=seed,
         owns_model=True,
+        cuda_graphs=cuda_graphs,
     )
     app = create_inference_app(
         engine,

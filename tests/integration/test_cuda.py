@@ -91,3 +91,49 @@ def test_varlen_attention_on_a_gpu_gives_the_masked_kernels_numbers(tiny_model_p
     (masked, masked_grad), (varlen, varlen_grad) = results
     torch.testing.assert_close(varlen, masked, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(varlen_grad, masked_grad, atol=5e-2, rtol=5e-2)
+
+
+def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_numbers(tiny_model_path):
+    """`inference.cuda_graphs: on`: graphs are captured, replayed with the eager decoder's tokens and
+    logprobs (float32, TF32 off: equal up to the padded buckets' rounding), and still serve the
+    weights loaded after their capture."""
+    from llmrl.inference.engine import LocalEngine
+    from llmrl.models import load_model
+    from llmrl.models.shape import tied_duplicates
+    from llmrl.types import GenerationArgs, InferenceRequest
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    requests = [
+        InferenceRequest(
+            prompt="12 + 35 =", n=5, generation_args=GenerationArgs(max_tokens=40, temperature=0.0)
+        ),
+        InferenceRequest(
+            prompt="7 * 8 = 56. 3 + 4 =", n=3, generation_args=GenerationArgs(max_tokens=25, seed=1)
+        ),
+    ]
+    generator = torch.Generator().manual_seed(2)
+    results = {}
+    for graphs in ("on", "off"):
+        model, tokenizer = load_model("tiny://arithmetic", dtype="float32", device="cuda")
+        noise = {
+            name: 0.02 * torch.randn(value.shape, generator=generator.manual_seed(2)).to("cuda")
+            for name, value in model.state_dict().items()
+        }
+        engine = LocalEngine(model, tokenizer, seed=0, cuda_graphs=graphs, eos_token_ids=())
+        try:
+            before = [engine.generate(r) for r in requests]
+            tied = tied_duplicates(model)
+            update = {k: v + noise[k] for k, v in model.state_dict().items() if k not in tied}
+            engine.update_weights(update, version=1)
+            after = [engine.generate(r) for r in requests]
+            if graphs == "on":
+                assert engine._decoder.steps.captures > 0
+            results[graphs] = before + after
+        finally:
+            engine.close()
+    for on, off in zip(results["on"], results["off"], strict=True):
+        for graphed, eager in zip(on, off, strict=True):
+            assert graphed.token_ids == eager.token_ids
+            torch.testing.assert_close(
+                torch.tensor(graphed.logprobs), torch.tensor(eager.logprobs), atol=1e-4, rtol=0
+            )
