@@ -150,6 +150,7 @@ def plan_rows(
     token_cost: float,
     pair_cost: float,
     share: bool = True,
+    by_sequence: bool = False,
 ) -> tuple[list[Unit], int]:
     """Units and a row length for packing the sequences at `indices` at the least estimated cost.
 
@@ -160,6 +161,11 @@ def plan_rows(
     several completions. The candidates are the row lengths from the longest sequence, doubling, up
     to `max_row_tokens`, each with shared prefixes (when `share`) and without; rows are packed with
     `pack` and the cheapest candidate wins (the first on a tie). Returns ``(units, row length)``.
+
+    `by_sequence`: attention runs over each sequence alone (varlen attention), so its cost is the sum
+    of the sequences' squares whatever the rows; what the rows change is padding, every row padded to
+    the longest: a candidate costs ``token_cost * rows * longest row`` plus that fixed attention term,
+    so rows as full as `pack` can make them win.
     """
     lengths = [len(s) for s in sequences]
     longest = max(lengths[i] for i in indices)
@@ -175,7 +181,10 @@ def plan_rows(
             unit_lengths = [unit_tokens(unit, lengths) for unit in units]
             rows = pack(unit_lengths, max(limit, *unit_lengths))
             row_tokens = [sum(unit_lengths[j] for j in row) for row in rows]
-            cost = sum(token_cost * t + pair_cost * t * t for t in row_tokens)
+            if by_sequence:
+                cost = token_cost * len(rows) * max(row_tokens) + pair_cost * sum(t * t for t in unit_lengths)
+            else:
+                cost = sum(token_cost * t + pair_cost * t * t for t in row_tokens)
             if best is None or cost < best[0]:
                 best = (cost, units, limit)
     assert best is not None

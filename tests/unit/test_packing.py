@@ -193,6 +193,26 @@ def test_plan_rows_trades_fewer_tokens_against_longer_rows():
     assert units == list(everything)
 
 
+def test_plan_rows_by_sequence_packs_full_rows_however_dear_attention_is():
+    # Attention over each sequence alone costs the same in any rows: what is left to save is padding.
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 90, (24,), generator=generator).tolist()
+    sequences = [[1] * n for n in lengths]
+    masks = [[True] * n for n in lengths]
+    everything = range(len(sequences))
+    dense, dense_limit = plan_rows(
+        sequences, masks, everything, 1024, token_cost=1.0, pair_cost=10.0, share=False
+    )
+    assert dense_limit == max(lengths)  # dense masks: rows of one sequence each
+    units, limit = plan_rows(
+        sequences, masks, everything, 1024, token_cost=1.0, pair_cost=10.0, share=False, by_sequence=True
+    )
+    rows = pack([len(sequences[i]) for i in units], limit)
+    padded = len(rows) * max(sum(lengths[units[j]] for j in row) for row in rows)
+    single = len(sequences) * max(lengths)
+    assert limit > dense_limit and padded < single  # fuller rows, less padding
+
+
 @pytest.mark.parametrize(
     ("unit", "message"),
     [
