@@ -55,7 +55,7 @@ from llmrl.models import tiny_model_path
 from llmrl.models.loading import enable_activation_checkpointing
 from llmrl.models.shape import ModelShape
 from llmrl.rollouts.batch import RolloutBatch, prepare_batch
-from llmrl.trainer.memory import GB, MemorySettings, PeakMemory, plan_memory
+from llmrl.trainer.memory import GB, MemoryPlan, MemorySettings, PeakMemory, plan_memory
 from llmrl.trainer.optimization import PolicyUpdate, build_optimizer
 from llmrl.trainer.trainer import _deterministic_algorithms
 from llmrl.types import GenerationArgs, InferenceRequest, RolloutGroup
@@ -247,10 +247,30 @@ def training_config(args: argparse.Namespace, checkpointing: bool) -> TrainingCo
     )
 
 
+def update_plan(policy: torch.nn.Module, config: TrainingConfig, device: str) -> MemoryPlan:
+    """The memory plan of the update alone (no engine), bfloat16 over float32 masters."""
+    settings = MemorySettings(
+        master_dtype=torch.float32,
+        compute_dtype=torch.bfloat16,
+        world_size=1,
+        micro_batch_tokens=config.micro_batch_tokens,
+        row_tokens=config.pack_row_tokens,
+        activation_checkpointing=config.activation_checkpointing,
+        reference_model=False,
+        engine_tokens=None,
+    )
+    return plan_memory(policy, settings, device)
+
+
 def make_update(
-    policy: torch.nn.Module, groups: list[RolloutGroup], shape: Shape, config: TrainingConfig
+    policy: torch.nn.Module,
+    groups: list[RolloutGroup],
+    shape: Shape,
+    config: TrainingConfig,
+    logits_chunk_tokens: int | None = None,
 ) -> tuple[PolicyUpdate, RolloutBatch]:
-    """The trainer's step over `policy` (AdamW, bfloat16 autocast) and the GRPO batch of `groups`."""
+    """The trainer's step over `policy` (AdamW, bfloat16 autocast) and the GRPO batch of `groups`, its
+    LM head in chunks of `logits_chunk_tokens` (the memory plan's, as the trainer takes them)."""
     algorithm = AlgorithmConfig()
     optimizer, _ = build_optimizer(policy, config)
     update = PolicyUpdate(
@@ -262,6 +282,7 @@ def make_update(
         max_tokens=shape.new_tokens,
         pad_token_id=0,
         compute_dtype=torch.bfloat16,
+        logits_chunk_tokens=logits_chunk_tokens,
     )
     batch, _ = prepare_batch(
         groups, group_size=shape.group_size, algorithm=algorithm, max_tokens=shape.new_tokens
@@ -282,18 +303,8 @@ def training(
     if checkpointing:
         enable_activation_checkpointing(policy)
     config = training_config(args, checkpointing)
-    settings = MemorySettings(
-        master_dtype=torch.float32,
-        compute_dtype=torch.bfloat16,
-        world_size=1,
-        micro_batch_tokens=config.micro_batch_tokens,
-        row_tokens=config.pack_row_tokens,
-        activation_checkpointing=checkpointing,
-        reference_model=False,
-        engine_tokens=None,
-    )
-    plan = plan_memory(policy, settings, device)
-    update, batch = make_update(policy, groups, shape, config)
+    plan = update_plan(policy, config, device)
+    update, batch = make_update(policy, groups, shape, config, plan.logits_chunk_tokens)
     trained = [r for r, a in zip(batch.rollouts, batch.advantages.tolist(), strict=True) if a != 0]
     tokens = sum(len(r.tokens) for r in trained)
     lengths = [(len(r.trajectory[0]), len(r.trajectory[1])) for r in trained]

@@ -38,6 +38,7 @@ from gpu import (  # bench/, beside this script
     run_engine,
     synchronize,
     training_config,
+    update_plan,
 )
 from gpu import build_model as build_gpu_model
 from torch.autograd.profiler_util import EventList
@@ -98,7 +99,9 @@ def main() -> None:
     if args.update:
         _, results = run_engine(engine, prompts, shape, 8)
         policy = copy.deepcopy(master).train()
-        update, batch = make_update(policy, groups_of(results), shape, training_config(args, False))
+        config = training_config(args, False)
+        chunk = update_plan(policy, config, device).logits_chunk_tokens  # the trainer's LM-head chunks
+        update, batch = make_update(policy, groups_of(results), shape, config, chunk)
         with _deterministic_algorithms():
             update(batch, torch.Generator().manual_seed(0))  # warm-up: optimizer state, allocator
     synchronize(device)

@@ -220,13 +220,17 @@ def token_logprobs_and_teacher_kl(
 
 @torch.no_grad()
 def token_top_k(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float | SamplingParams, k: int
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float | SamplingParams,
+    k: int,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A teacher's view of `batch`: the logprob of each token ``[R, T]`` (as `token_logprobs`), and its
     distribution there cut to its `k` likeliest tokens (`llmrl.algorithms.distillation.teacher_top_k`):
     logprobs ``[R, T, k + 1]`` (the last, the rest of the vocabulary) and ids ``[R, T, k]``, zero off the
-    loss mask. `temperature` as for `token_logprobs`, without sampling filters (the teacher's whole
-    distribution is kept)."""
+    loss mask. `temperature` and `chunk_size` as for `token_logprobs`, without sampling filters (the
+    teacher's whole distribution is kept)."""
     if isinstance(temperature, SamplingParams) and temperature.filters:
         raise ValueError("a teacher's top k is of its whole distribution: sampling filters do not apply")
     hidden, rows, columns, lm_head = _masked_hidden(model, batch)
@@ -234,7 +238,7 @@ def token_top_k(
     divisors = temperature if isinstance(temperature, int | float) else temperature.temperature[rows, columns]
     targets = batch.input_ids[rows, columns]
     k = min(k, lm_head.weight.shape[0])
-    chunk_size = max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
+    chunk_size = chunk_size or max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
     pieces = []
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, hidden.shape[0], chunk_size):

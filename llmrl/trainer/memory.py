@@ -75,6 +75,8 @@ class MemorySettings:
     """Weights of the reward models the environments name on this device (rank 0's: it scores); 0: none."""
 
 
+HEAD_BYTES_PER_LOGIT = 3 * 4
+"""Bytes the LM head holds per logit of a chunk: float32 logits, their log-softmax and its gradient."""
 MOST_SIZED_ROWS = 1024
 """Most rows `size_engine` gives the embedded engine (a step of 64 prompts x 8 samples with a lag of 1)."""
 
@@ -183,25 +185,50 @@ class MemoryPlan:
 
     def _activations(self) -> float:
         shape, s = self.shape, self.settings
-        compute = s.compute_dtype.itemsize
-        stream_dtype = s.compute_dtype if s.world_size > 1 else s.master_dtype  # the residual stream's
-        stream = stream_dtype.itemsize
-        hidden_wide = (
-            5 if stream_dtype != s.compute_dtype else 2
-        )  # autocast keeps its casts of the norms' outputs
         tokens = s.micro_batch_tokens
-        per_layer = tokens * (
-            compute * (hidden_wide * shape.hidden + 4 * shape.attention_width + 4 * shape.intermediate)
-            + 2 * 2 * shape.hidden * stream
-        )
+        per_layer = self._layer_activations()
         if s.activation_checkpointing:
-            kept = tokens * shape.layers * shape.hidden * stream + per_layer
+            kept = tokens * shape.layers * shape.hidden * self._stream_dtype.itemsize + per_layer
         else:
             kept = per_layer * shape.layers
-        mask = tokens * min(s.row_tokens, tokens) * compute
+        mask = tokens * min(s.row_tokens, tokens) * s.compute_dtype.itemsize
         # chunked LM head: a chunk's float32 logits, log-softmax and gradient, plus the last hidden states
-        head = 3 * 4 * min(CHUNK_ELEMENTS, tokens * shape.vocab) + tokens * shape.hidden * 4
+        head = HEAD_BYTES_PER_LOGIT * self._chunk_logits() + tokens * shape.hidden * 4
         return kept + mask + head
+
+    @property
+    def _stream_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: the master dtype under autocast, the compute dtype under FSDP2."""
+        s = self.settings
+        return s.compute_dtype if s.world_size > 1 else s.master_dtype
+
+    def _layer_activations(self) -> int:
+        """What autograd keeps of one layer for the largest micro-batch (no checkpointing)."""
+        shape, s = self.shape, self.settings
+        stream = self._stream_dtype
+        hidden_wide = 5 if stream != s.compute_dtype else 2  # autocast keeps its casts of the norms' outputs
+        return s.micro_batch_tokens * (
+            s.compute_dtype.itemsize
+            * (hidden_wide * shape.hidden + 4 * shape.attention_width + 4 * shape.intermediate)
+            + 2 * 2 * shape.hidden * stream.itemsize
+        )
+
+    @property
+    def logits_chunk_tokens(self) -> int | None:
+        """Tokens per LM-head chunk of the trainer's passes. On CUDA, as many as one layer's activations
+        hold in logits (each costs `HEAD_BYTES_PER_LOGIT`), at least `CHUNK_ELEMENTS` logits' worth and at
+        most a micro-batch: a wide vocabulary's chunks of ~100 tokens make small matmuls that leave a GPU
+        idle. None on CPU: the chunks of `CHUNK_ELEMENTS` logits, whose numbers the CPU runs keep."""
+        if self.device != "cuda":
+            return None
+        vocab = self.shape.vocab
+        by_layer = self._layer_activations() // (HEAD_BYTES_PER_LOGIT * vocab)
+        return min(self.settings.micro_batch_tokens, max(1, CHUNK_ELEMENTS // vocab, by_layer))
+
+    def _chunk_logits(self) -> int:
+        tokens = self.settings.micro_batch_tokens
+        chunk = self.logits_chunk_tokens
+        return min(CHUNK_ELEMENTS if chunk is None else chunk * self.shape.vocab, tokens * self.shape.vocab)
 
     def total(self, *, rank0: bool = True, phase: str = "update") -> int:
         return sum(self.terms(rank0=rank0, phase=phase).values())

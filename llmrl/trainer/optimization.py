@@ -127,11 +127,12 @@ class PolicyUpdate:
         teacher: torch.nn.Module | None = None,
         teacher_server: ServedTeacher | None = None,
         distillation: DistillationConfig | None = None,
+        logits_chunk_tokens: int | None = None,
     ):
         """`compute_dtype`: see `ForwardPasses`. The models beside the policy choose the loss terms
         (`build_terms`): a KL `reference` model or a `reference_context` (inside it the policy computes
         the reference logprobs: LoRA's adapters off), and a distillation `teacher` model or `teacher_server`
-        with its settings `distillation`."""
+        with its settings `distillation`. `logits_chunk_tokens`: see `ForwardPasses`."""
         self.policy = policy
         self.optimizer = optimizer
         self.training = training
@@ -140,7 +141,12 @@ class PolicyUpdate:
             algorithm, max_tokens=max_tokens, generation_lag=training.generation_lag
         )
         self.passes = ForwardPasses(
-            policy, training, pad_token_id=pad_token_id, distributed=distributed, compute_dtype=compute_dtype
+            policy,
+            training,
+            pad_token_id=pad_token_id,
+            distributed=distributed,
+            compute_dtype=compute_dtype,
+            logits_chunk_tokens=logits_chunk_tokens,
         )
         self.terms = build_terms(
             self.passes,

@@ -73,11 +73,15 @@ class ForwardPasses:
         pad_token_id: int,
         distributed: Distributed | None = None,
         compute_dtype: torch.dtype | None = None,
+        logits_chunk_tokens: int | None = None,
     ):
         """`compute_dtype`: the dtype forward and backward passes run in, when it is not the dtype of
         the policy's trained parameters (the master weights'): one process runs them under autocast;
-        sharded models cast on their own (FSDP2's `MixedPrecisionPolicy`, set by `Distributed.shard`)."""
+        sharded models cast on their own (FSDP2's `MixedPrecisionPolicy`, set by `Distributed.shard`).
+        `logits_chunk_tokens`: tokens per LM-head chunk (`MemoryPlan.logits_chunk_tokens`; None: the
+        chunks of `llmrl.algorithms.logprobs.CHUNK_ELEMENTS` logits)."""
         self.training = training
+        self.logits_chunk_tokens = logits_chunk_tokens
         self.pad_token_id = pad_token_id
         self.distributed = distributed
         shape = ModelShape.of(policy)  # packing's costs: forward FLOPs per token and per attention pair
@@ -158,7 +162,11 @@ class ForwardPasses:
     def policy_tokens(self, packed: PackedBatch) -> PolicyTokens:
         """The policy's logprobs and entropies of `packed`."""
         logprobs, entropies = token_logprobs(
-            self.policy, packed, self.token_sampling(packed), with_entropy=True
+            self.policy,
+            packed,
+            self.token_sampling(packed),
+            with_entropy=True,
+            chunk_size=self.logits_chunk_tokens,
         )
         assert entropies is not None
         return PolicyTokens(logprobs, entropies)
@@ -202,7 +210,9 @@ class ForwardPasses:
         """A forward (and backward) pass that changes nothing, for FSDP's collectives to match up."""
         packed = self._build(sequences, masks, [[index]])
         with torch.set_grad_enabled(backward), self.compute():
-            logprobs, _ = token_logprobs(model, packed, self.token_sampling(packed))
+            logprobs, _ = token_logprobs(
+                model, packed, self.token_sampling(packed), chunk_size=self.logits_chunk_tokens
+            )
             if backward:
                 (logprobs.sum() * 0.0).backward()
 
@@ -215,7 +225,9 @@ class ForwardPasses:
             sequences,
             masks,
             indices,
-            lambda m, packed: token_logprobs(m, packed, self.token_sampling(packed))[:1],
+            lambda m, packed: token_logprobs(
+                m, packed, self.token_sampling(packed), chunk_size=self.logits_chunk_tokens
+            )[:1],
         )
         return [None if o is None else o[0] for o in outputs]
 

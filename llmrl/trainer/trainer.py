@@ -334,6 +334,7 @@ class Trainer:
             teacher=models.teacher,
             teacher_server=models.teacher_server,
             distillation=config.distillation,
+            logits_chunk_tokens=self.memory_plan.logits_chunk_tokens,
         )
 
     def _restore(self, folder: Path) -> None:

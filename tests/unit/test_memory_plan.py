@@ -346,3 +346,35 @@ def test_the_run_sizes_the_engine_on_cuda_only(tmp_path, monkeypatch):
     assert built(plan_training_memory(unset, "cuda", None), unset)[1] == 4 * 8 * 2  # every sample in flight
     fixed = load_config(None, [f"run_dir={tmp_path}", "inference.max_batch_tokens=4096"])
     assert plan_training_memory(fixed, "cuda", None).engine_sizing is None
+
+
+def test_on_a_gpu_lm_head_chunks_hold_up_to_one_layers_activations_in_logits():
+    with torch.device("meta"):
+        wide_vocabulary = Qwen2ForCausalLM(
+            Qwen2Config(
+                hidden_size=896,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                intermediate_size=4864,
+                vocab_size=151936,
+                tie_word_embeddings=True,
+            )
+        )  # Qwen2.5-0.5B
+    shape = ModelShape.of(wide_vocabulary)
+    chosen = settings(micro_batch_tokens=16384)
+    cpu = MemoryPlan(shape, chosen, "cpu", 10**12, 0)
+    gpu = MemoryPlan(shape, chosen, "cuda", 80 * 10**9, 0)
+    assert cpu.logits_chunk_tokens is None  # the CPU's chunks (and numbers) stay as they were
+    fixed = memory_module.CHUNK_ELEMENTS // shape.vocab  # 110 tokens
+    chunk = gpu.logits_chunk_tokens
+    assert fixed * 5 < chunk < 16384
+    head_growth = gpu.terms(rank0=True)["activations"] - cpu.terms(rank0=True)["activations"]
+    assert head_growth == memory_module.HEAD_BYTES_PER_LOGIT * (chunk - fixed) * shape.vocab - 12 * (
+        memory_module.CHUNK_ELEMENTS - fixed * shape.vocab
+    )
+    assert head_growth <= gpu._layer_activations()  # the plan grows by at most a layer's activations
+    # A small vocabulary: a whole micro-batch is one chunk.
+    assert (
+        MemoryPlan(ModelShape.of(meta_model()), settings(), "cuda", 80 * 10**9, 0).logits_chunk_tokens == 4096
+    )

@@ -37,7 +37,9 @@ class LoadedTeacher:
             return [None if values is None else (values,) for values in logprobs]
 
         def score(model: Model, packed: PackedBatch) -> TeacherOutputs:
-            return token_top_k(model, packed, self.passes.token_sampling(packed), top_k)
+            return token_top_k(
+                model, packed, self.passes.token_sampling(packed), top_k, self.passes.logits_chunk_tokens
+            )
 
         return self.passes.sequence_outputs(self.model, step.sequences, step.masks, step.trained, score)
 

@@ -37,6 +37,7 @@ class TeacherTopK(TeacherTerm):
             pack_values([t and t[0] for t in self._top], packed).to(device),
             pack_values([t and t[1] for t in self._top], packed, dtype=torch.int64).to(device),
             with_entropy=True,
+            chunk_size=self.passes.logits_chunk_tokens,
         )
         assert entropies is not None
         return PolicyTokens(logprobs, entropies, kl)
