@@ -38,7 +38,9 @@ class PagedKVCache:
     that reads a row's blocks moves this many positions at once."""
     KEEP_WHILE_IDLE = 1 << 30
     """On CPU, a pool of at most this many bytes stays allocated when its batch ends (as
-    `KVCache.KEEP_WHILE_IDLE`); on CUDA the pool goes with its batch, so training has the memory."""
+    `KVCache.KEEP_WHILE_IDLE`). On CUDA the pool stays only when `kept_on_cuda` (captured graphs hold
+    its address; the memory plan counts the engine's KV cache beside the update), else it goes with
+    its batch, so that training has the memory."""
 
     def __init__(
         self,
@@ -50,7 +52,9 @@ class PagedKVCache:
         dtype: torch.dtype,
         reserve_tokens: int,
         max_rows: int,
+        kept_on_cuda: bool = False,
     ):
+        self.kept_on_cuda = kept_on_cuda
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device, self.dtype = device, dtype
         self.initial_blocks = 1 + math.ceil(reserve_tokens / self.BLOCK) + max_rows
@@ -60,10 +64,11 @@ class PagedKVCache:
         self.reset()
 
     def reset(self) -> None:
-        """Drop every row; the pool stays allocated on CPU up to `KEEP_WHILE_IDLE` bytes."""
+        """Drop every row; the pool stays allocated as `KEEP_WHILE_IDLE` says."""
         self.row_blocks: list[list[int]] = []  # per row: its blocks, position p in row_blocks[p // BLOCK]
         self.row_lengths: list[int] = []  # per row: positions cached
-        if self.device.type != "cpu" or self.cache_bytes > self.KEEP_WHILE_IDLE:
+        kept = self.kept_on_cuda if self.device.type == "cuda" else self.cache_bytes <= self.KEEP_WHILE_IDLE
+        if not kept:
             self.pool_k = self.pool_v = None
         blocks = self.initial_blocks if self.pool_k is None else self.pool_k.shape[1]
         self.references = [0] * blocks  # per block: rows listing it

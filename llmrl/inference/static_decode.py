@@ -161,9 +161,10 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
         """`reserve_tokens`: KV-cache tokens the pool is first sized for (the engine's admission
         budget). `static_shapes` and `capture` (`StaticSteps`) default to on for CUDA, off elsewhere."""
         self._reserve_tokens = reserve_tokens
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self._capture = on_cuda if capture is None else capture
         super().__init__(model, max_rows=max_rows, owns_model=owns_model)
-        on_cuda = self.device.type == "cuda"
-        capture = on_cuda if capture is None else capture
+        capture = self._capture
         self.steps = StaticSteps(
             self._step,
             max_rows=max_rows or 64,
@@ -186,6 +187,7 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
             dtype=first.dtype,
             reserve_tokens=self._reserve_tokens,
             max_rows=max_rows or 64,
+            kept_on_cuda=self._capture,  # its graphs, captured once, serve every batch
         )
 
     def reset(self) -> None:
