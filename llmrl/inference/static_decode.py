@@ -8,9 +8,9 @@ replays fixed shapes at fixed addresses, so:
   1, 2, 4, 8, then multiples of 16), its buffers (tokens, lengths, block table, logits) allocated
   once per bucket. The rows beyond ``B`` are padding: token 0, length 0, every block the scratch
   block, so they attend and write only there (``paged_cache.py``).
-* **A paged KV cache** (`PagedKVCache`) whose pool is allocated once for the batch, read through
-  block tables: rows join and leave by their table rows, not by moving the cache. The attended
-  window is the table's width in positions, masked by each row's length.
+* **A paged KV cache** (`PagedKVCache`) whose pool is allocated once (and kept between batches on
+  CUDA), read through block tables: rows join and leave by their table rows, not by moving the
+  cache. The attended window is the table's width in positions, masked by each row's length.
 * **Weights in place.** Weight updates and LoRA merges copy into the tensors the graph reads
   (`LlamaFamilyDecoder.load_state_dict`, `MergedWeights`), so graphs stay valid across syncs.
 
@@ -21,13 +21,15 @@ pool grows (its address changes). Prefill stays eager.
 width (what a graph needs); without it a step runs on its ``B`` rows and their longest length, the
 eager path's arithmetic, so on a CPU the paged decoder's logits equal `LlamaFamilyDecoder`'s bit for
 bit (with prompts inline: the paged cache keeps no cascade). With static shapes on a CPU the logits
-differ in the last bits, because MKL's matmuls round differently with the number of rows. ``capture``
-records CUDA graphs; off, the same function runs eagerly over the same buffers (the CPU stand-in,
-which the tests run).
+differ in the last bits, because MKL's matmuls round differently with the number of rows.
+``capture`` keeps one captured step per (bucket, width): a CUDA graph (`GraphedStep`) for CUDA
+tensors, else its stand-in (`EagerStandIn`), which replays by running the step into the same output
+buffer, so that the tests run the capturing, reuse and invalidation on a CPU.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -62,9 +64,43 @@ class _Buffers(NamedTuple):
     table: torch.Tensor  # (bucket, width)
 
 
-class _Captured(NamedTuple):
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # (bucket, V): the graph's output buffer
+class GraphedStep:
+    """A step captured as a CUDA graph: `replay` runs it again over the same buffers and returns its
+    output buffer (overwritten by the next replay).
+
+    Captured after warm-up runs on a side stream (lazy initialisation, the allocator). The warm-ups
+    write the rows' new keys and values where the replay writes them again: the same values, from
+    the same inputs. Graphs that share `pool` share its memory: safe, as one replays at a time and
+    each output is copied out before the next."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], pool: tuple[int, int]):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = step()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class EagerStandIn:
+    """`GraphedStep`'s stand-in off CUDA: `replay` runs the step eagerly into the same output buffer,
+    so that what surrounds the graphs (when one is captured, reused, dropped) runs on a CPU."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], pool: object = None):
+        del pool
+        self.step = step
+        self.output = step()
+
+    def replay(self) -> torch.Tensor:
+        self.output.copy_(self.step())
+        return self.output
 
 
 class StaticSteps:
@@ -81,7 +117,7 @@ class StaticSteps:
         self.static_shapes = static_shapes
         self.capture = capture
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._graphs: dict[tuple[int, int], GraphedStep | EagerStandIn] = {}
         self._pool_version = -1
         self._graph_pool = None  # one memory pool shared by every captured graph
         self.captures = 0
@@ -121,27 +157,15 @@ class StaticSteps:
             return self.function(*buffers, window)[:rows]
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._graphs[key] = self._record(lambda: self.function(*buffers, window))
-        captured.graph.replay()
-        return captured.logits[:rows].clone()  # the next replay overwrites the buffer
-
-    def _record(self, step: Callable[[], torch.Tensor]) -> _Captured:
-        """Capture `step` as a CUDA graph, after warm-up runs on a side stream (lazy initialisation,
-        allocator). The warm-up writes the rows' new keys and values where the replay writes them
-        again: the same values, from the same inputs."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = step()
-        self.captures += 1
-        return _Captured(graph, logits)
+            step = functools.partial(self.function, *buffers, window)
+            if tokens.is_cuda:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                captured = self._graphs[key] = GraphedStep(step, self._graph_pool)
+            else:
+                captured = self._graphs[key] = EagerStandIn(step)
+            self.captures += 1
+        return captured.replay()[:rows].clone()  # the next replay overwrites the buffer
 
 
 class PagedLlamaDecoder(LlamaFamilyDecoder):

@@ -122,6 +122,38 @@ def test_static_shapes_differ_from_the_eager_decoder_only_in_rounding(family):
     assert any(bucket > rows for bucket, rows in stepped)  # padded rows stepped beside live ones
 
 
+def test_captured_steps_serve_later_batches_until_the_pool_grows():
+    # On a CPU, capturing keeps the stand-in of a CUDA graph: the same bookkeeping, replayed eagerly.
+    model = _build("qwen2", 97)
+    graphed = PagedLlamaDecoder(model, max_rows=8, reserve_tokens=64, capture=True)
+    plain = PagedLlamaDecoder(model, max_rows=8, reserve_tokens=64, static_shapes=True)
+    prompt, tokens = list(range(3, 12)), torch.tensor([20, 21, 22])
+
+    def batch(decoder: PagedLlamaDecoder, steps: int) -> list[torch.Tensor]:
+        decoder.prefill([prompt], [3])
+        logits = [decoder.decode(tokens) for _ in range(steps)]
+        decoder.reset()
+        return logits
+
+    with torch.inference_mode():
+        first = batch(graphed, 5)  # 3 rows in bucket 4, 9..13 positions: a table one block wide
+        assert graphed.steps.captures == 1
+        again = batch(graphed, 5)
+        assert graphed.steps.captures == 1  # the pool stayed: the same graph served the next batch
+        reference = batch(plain, 5)
+        for step in range(5):  # each replay's logits are a copy, not the buffer the next one overwrites
+            torch.testing.assert_close(first[step], reference[step], rtol=0, atol=0)
+            torch.testing.assert_close(again[step], reference[step], rtol=0, atol=0)
+        version = graphed.cache.version
+        longer = batch(graphed, 12)  # 20 positions: two blocks wide, a second graph
+        assert graphed.steps.captures == 2
+        graphed.prefill([[i % 97 for i in range(150)]], [8])  # outgrows the pool: a new one, graphs dropped
+        assert graphed.cache.version > version
+        graphed.decode(torch.arange(8))
+        assert graphed.steps.captures == 3 and len(graphed.steps._graphs) == 1
+    torch.testing.assert_close(longer[:5], reference, rtol=0, atol=0)
+
+
 def test_padded_rows_and_masked_cells_change_nothing():
     decoder = PagedLlamaDecoder(_build("qwen2", 97), max_rows=16, static_shapes=True)
     with torch.inference_mode():
