@@ -39,8 +39,8 @@ class PagedKVCache:
     KEEP_WHILE_IDLE = 1 << 30
     """On CPU, a pool of at most this many bytes stays allocated when its batch ends (as
     `KVCache.KEEP_WHILE_IDLE`). On CUDA the pool stays only when `kept_on_cuda` (captured graphs hold
-    its address; the memory plan counts the engine's KV cache beside the update), else it goes with
-    its batch, so that training has the memory."""
+    its address; the memory plan counts the engine's KV cache beside the update) and it has not grown
+    past its first size, else it goes with its batch, so that training has the memory."""
 
     def __init__(
         self,
@@ -57,7 +57,9 @@ class PagedKVCache:
         self.kept_on_cuda = kept_on_cuda
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device, self.dtype = device, dtype
-        self.initial_blocks = 1 + math.ceil(reserve_tokens / self.BLOCK) + max_rows
+        # Per row, two blocks beyond its tokens: its copy of a shared prompt's last block, its last block's
+        # free positions.
+        self.initial_blocks = 1 + math.ceil(reserve_tokens / self.BLOCK) + 2 * max_rows
         self.pool_k = self.pool_v = None
         self.version = 0
         """Bumped whenever the pool is allocated anew (its address changes)."""
@@ -67,7 +69,12 @@ class PagedKVCache:
         """Drop every row; the pool stays allocated as `KEEP_WHILE_IDLE` says."""
         self.row_blocks: list[list[int]] = []  # per row: its blocks, position p in row_blocks[p // BLOCK]
         self.row_lengths: list[int] = []  # per row: positions cached
-        kept = self.kept_on_cuda if self.device.type == "cuda" else self.cache_bytes <= self.KEEP_WHILE_IDLE
+        if self.device.type == "cuda":  # a pool that grew past the plan's size goes back to it
+            kept = (
+                self.kept_on_cuda and self.pool_k is not None and self.pool_k.shape[1] == self.initial_blocks
+            )
+        else:
+            kept = self.cache_bytes <= self.KEEP_WHILE_IDLE
         if not kept:
             self.pool_k = self.pool_v = None
         blocks = self.initial_blocks if self.pool_k is None else self.pool_k.shape[1]

@@ -65,13 +65,14 @@ class _Buffers(NamedTuple):
 
 
 class GraphedStep:
-    """A step captured as a CUDA graph: `replay` runs it again over the same buffers and returns its
-    output buffer (overwritten by the next replay).
+    """A step captured as a CUDA graph: `replay` runs it again over the same buffers and returns what
+    it wrote (overwritten by the next replay).
 
     Captured after warm-up runs on a side stream (lazy initialisation, the allocator). The warm-ups
     write the rows' new keys and values where the replay writes them again: the same values, from
-    the same inputs. Graphs that share `pool` share its memory: safe, as one replays at a time and
-    each output is copied out before the next."""
+    the same inputs. Graphs that share `pool` share the memory of their intermediates: safe, as one
+    replays at a time. The capture is the calling thread's alone (``thread_local``): the trainer may
+    launch its own work from another thread meanwhile (`training.generation_lag`)."""
 
     def __init__(self, step: Callable[[], torch.Tensor], pool: tuple[int, int]):
         side = torch.cuda.Stream()
@@ -81,7 +82,7 @@ class GraphedStep:
                 step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = step()
 
     def replay(self) -> torch.Tensor:
@@ -90,21 +91,23 @@ class GraphedStep:
 
 
 class EagerStandIn:
-    """`GraphedStep`'s stand-in off CUDA: `replay` runs the step eagerly into the same output buffer,
-    so that what surrounds the graphs (when one is captured, reused, dropped) runs on a CPU."""
+    """`GraphedStep`'s stand-in off CUDA: `replay` runs the step eagerly, so that what surrounds the
+    graphs (when one is captured, reused, dropped, where it writes) runs on a CPU."""
 
-    def __init__(self, step: Callable[[], torch.Tensor], pool: object = None):
-        del pool
+    def __init__(self, step: Callable[[], torch.Tensor]):
         self.step = step
-        self.output = step()
+        step()  # as a capture would: the warm-ups run the step
 
     def replay(self) -> torch.Tensor:
-        self.output.copy_(self.step())
-        return self.output
+        return self.step()
 
 
 class StaticSteps:
-    """Runs a `DecodeFunction` at bucket shapes, captured as CUDA graphs (module docstring)."""
+    """Runs a `DecodeFunction` at bucket shapes, captured as CUDA graphs (module docstring).
+
+    Every captured step writes its logits into one shared buffer, the largest bucket's rows: each
+    replay's rows are copied out at once, so one buffer serves all the graphs (a buffer per graph
+    would hold a bucket x vocabulary of logits for each)."""
 
     def __init__(
         self, function: DecodeFunction, *, max_rows: int, block: int, static_shapes: bool, capture: bool
@@ -118,6 +121,7 @@ class StaticSteps:
         self.capture = capture
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._graphs: dict[tuple[int, int], GraphedStep | EagerStandIn] = {}
+        self._logits: torch.Tensor | None = None  # (rows, V): what every captured step writes into
         self._pool_version = -1
         self._graph_pool = None  # one memory pool shared by every captured graph
         self.captures = 0
@@ -127,6 +131,7 @@ class StaticSteps:
         """Drop every buffer and graph (their memory goes back; the next steps capture anew)."""
         self._buffers.clear()
         self._graphs.clear()
+        self._logits = None
         self._graph_pool = None
 
     def run(
@@ -157,7 +162,7 @@ class StaticSteps:
             return self.function(*buffers, window)[:rows]
         captured = self._graphs.get(key)
         if captured is None:
-            step = functools.partial(self.function, *buffers, window)
+            step = functools.partial(self._into_shared_logits, buffers, window)
             if tokens.is_cuda:
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
@@ -166,6 +171,14 @@ class StaticSteps:
                 captured = self._graphs[key] = EagerStandIn(step)
             self.captures += 1
         return captured.replay()[:rows].clone()  # the next replay overwrites the buffer
+
+    def _into_shared_logits(self, buffers: _Buffers, window: int) -> torch.Tensor:
+        """The step over `buffers`, its logits written into the shared buffer (allocated by the first
+        warm-up of the largest bucket so far, outside any capture)."""
+        logits = self.function(*buffers, window)
+        if self._logits is None or self._logits.shape[0] < logits.shape[0]:
+            self._logits = logits.new_empty((max(logits.shape[0], self.sizes[-1]), logits.shape[1]))
+        return self._logits[: logits.shape[0]].copy_(logits)
 
 
 class PagedLlamaDecoder(LlamaFamilyDecoder):
@@ -198,9 +211,12 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
         )
         # A graph reads the rotary table and the positions at fixed addresses: built whole, once. The
         # positions cover the widest block table, whose width is a power of two past the context.
-        self._grow_rotation(self.max_positions)
+        super()._grow_rotation(self.max_positions)
         widest = 1 << (-(-self.max_positions // PagedKVCache.BLOCK) - 1).bit_length()
         self._positions = torch.arange(widest * PagedKVCache.BLOCK, device=self.device)
+
+    def _grow_rotation(self, positions: int) -> None:
+        """Nothing grows: the table covers the context from the start (prompts are checked against it)."""
 
     def _new_cache(self, config, first: torch.Tensor, max_rows: int | None) -> PagedKVCache:
         return PagedKVCache(

@@ -77,6 +77,10 @@ class MemorySettings:
 
 HEAD_BYTES_PER_LOGIT = 3 * 4
 """Bytes the LM head holds per logit of a chunk: float32 logits, their log-softmax and its gradient."""
+GPU_CHUNK_TOKENS = 1024
+"""Most tokens in an LM-head chunk on CUDA: from about a thousand tokens on, the head's matmul (tokens x
+hidden x vocabulary) does enough arithmetic per byte it reads to be bound by the card's arithmetic
+rather than its memory; larger chunks only take memory."""
 MOST_SIZED_ROWS = 1024
 """Most rows `size_engine` gives the embedded engine (a step of 64 prompts x 8 samples with a lag of 1)."""
 
@@ -216,14 +220,17 @@ class MemoryPlan:
     @property
     def logits_chunk_tokens(self) -> int | None:
         """Tokens per LM-head chunk of the trainer's passes. On CUDA, as many as one layer's activations
-        hold in logits (each costs `HEAD_BYTES_PER_LOGIT`), at least `CHUNK_ELEMENTS` logits' worth and at
-        most a micro-batch: a wide vocabulary's chunks of ~100 tokens make small matmuls that leave a GPU
-        idle. None on CPU: the chunks of `CHUNK_ELEMENTS` logits, whose numbers the CPU runs keep."""
+        hold in logits (each costs `HEAD_BYTES_PER_LOGIT`), at least `CHUNK_ELEMENTS` logits' worth, at
+        most `GPU_CHUNK_TOKENS` and a micro-batch: a wide vocabulary's chunks of ~100 tokens make small
+        matmuls that leave a GPU idle. None on CPU: the chunks of `CHUNK_ELEMENTS` logits, whose numbers
+        the CPU runs keep."""
         if self.device != "cuda":
             return None
         vocab = self.shape.vocab
         by_layer = self._layer_activations() // (HEAD_BYTES_PER_LOGIT * vocab)
-        return min(self.settings.micro_batch_tokens, max(1, CHUNK_ELEMENTS // vocab, by_layer))
+        return min(
+            self.settings.micro_batch_tokens, max(1, CHUNK_ELEMENTS // vocab, min(by_layer, GPU_CHUNK_TOKENS))
+        )
 
     def _chunk_logits(self) -> int:
         tokens = self.settings.micro_batch_tokens

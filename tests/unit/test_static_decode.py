@@ -52,11 +52,13 @@ def test_buckets_are_powers_of_two_then_multiples_of_16():
 class _Twin:
     """A reference decoder and a paged one fed the same joins, tokens and removals."""
 
-    def __init__(self, model, static_shapes: bool):
+    def __init__(self, model, static_shapes: bool, max_rows: int = 8):
         self.model = model
         self.reference = LlamaFamilyDecoder(model, share_from=EAGER)
-        # A pool sized for 24 tokens: the scenario grows it (a new version) more than once.
-        self.paged = PagedLlamaDecoder(model, max_rows=8, reserve_tokens=24, static_shapes=static_shapes)
+        # A pool of 1 + 2 x max_rows blocks (no tokens reserved): with 2 rows, the scenario outgrows it.
+        self.paged = PagedLlamaDecoder(
+            model, max_rows=max_rows, reserve_tokens=0, static_shapes=static_shapes
+        )
         self.generator = torch.Generator().manual_seed(0)
         self.sequences: list[list[int]] = []
 
@@ -99,7 +101,7 @@ class _Twin:
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_paged_decoder_equals_the_eager_decoder_bit_for_bit(family):
-    twin = _Twin(_build(family, 97), static_shapes=False)
+    twin = _Twin(_build(family, 97), static_shapes=False, max_rows=2)
     with torch.inference_mode():
         twin.run(lambda reference, paged: torch.testing.assert_close(paged, reference, rtol=0, atol=0))
     assert twin.paged.cache.version > 1  # the pool grew under running rows
@@ -125,8 +127,8 @@ def test_static_shapes_differ_from_the_eager_decoder_only_in_rounding(family):
 def test_captured_steps_serve_later_batches_until_the_pool_grows():
     # On a CPU, capturing keeps the stand-in of a CUDA graph: the same bookkeeping, replayed eagerly.
     model = _build("qwen2", 97)
-    graphed = PagedLlamaDecoder(model, max_rows=8, reserve_tokens=64, capture=True)
-    plain = PagedLlamaDecoder(model, max_rows=8, reserve_tokens=64, static_shapes=True)
+    graphed = PagedLlamaDecoder(model, max_rows=4, reserve_tokens=64, capture=True)  # 13 blocks
+    plain = PagedLlamaDecoder(model, max_rows=4, reserve_tokens=64, static_shapes=True)
     prompt, tokens = list(range(3, 12)), torch.tensor([20, 21, 22])
 
     def batch(decoder: PagedLlamaDecoder, steps: int) -> list[torch.Tensor]:
