@@ -88,6 +88,22 @@ def _flash_varlen(
     return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, **options)
 
 
+def attend_spans(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention within each span of `cu` (int32), ``query [N, H, D]``, ``key/value [N, H_kv,
+    D]`` -> ``[N, H, D]``: torch's flash kernel on CUDA (half precision), `reference_attention`
+    elsewhere."""
+    if query.is_cuda:
+        return _flash_varlen(query, key, value, cu, longest, scale)
+    return reference_attention(query, key, value, cu, scale)
+
+
 def boundary_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     """The keyword arguments a model's forward passes down to `varlen_attention`, so that the sequence
     boundaries are found once per forward rather than once per layer."""
@@ -125,10 +141,7 @@ def varlen_attention(
     flat_query = query.transpose(1, 2).reshape(batch * width, heads, dim)
     flat_key = key.transpose(1, 2).reshape(batch * width, key.shape[1], dim)
     flat_value = value.transpose(1, 2).reshape(batch * width, value.shape[1], dim)
-    if query.is_cuda:
-        out = _flash_varlen(flat_query, flat_key, flat_value, cu, longest, scaling)
-    else:
-        out = reference_attention(flat_query, flat_key, flat_value, cu, scaling)
+    out = attend_spans(flat_query, flat_key, flat_value, cu, longest, scaling)
     return out.reshape(batch, width, heads, dim), None
 
 

@@ -29,6 +29,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from llmrl.algorithms.varlen import attend_spans
+
 
 class LayerWeights(NamedTuple):
     input_norm: torch.Tensor
@@ -282,6 +284,30 @@ class LlamaForward:
         num_prompts, width = ids.shape
         x = self.residual(weights, ids, rotation, mask, write)
         return self.logits(x[:, torch.arange(num_prompts, device=ids.device) * width + lengths - 1], weights)
+
+    def packed_prefill(
+        self,
+        weights: LlamaWeights,
+        ids: torch.Tensor,
+        cu: torch.Tensor,
+        longest: int,
+        rotation: torch.Tensor,
+        write: Callable[[int, torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """Forward of prompts packed end to end, `ids` (T,), prompt i the span ``cu[i]:cu[i + 1]``
+        (`cu` int32): logits at each prompt's last position (N, V). Attention runs within the spans
+        (`attend_spans`: no padding, no mask); `rotation` (T, 1, D/2) holds each token's rotary row;
+        `write(layer, keys, values)` stores each layer's (T, kv_heads, D) keys and values."""
+        tokens, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, weights.embed).t()  # (hidden, T)
+        for index, layer in enumerate(weights.layers):
+            qkv = self.qkv(x, layer)  # (T, (H + 2 Hkv) D)
+            qk = _rotate(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), rotation)
+            key, value = qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+            write(index, key, value)
+            attn = attend_spans(qk[:, :heads], key, value, cu, longest, scale=1.0)
+            x = self.attention_mlp_residual(x, attn.reshape(tokens, heads * dim), layer)
+        return self.logits(x[:, cu[1:].long() - 1], weights)
 
     def residual(
         self,

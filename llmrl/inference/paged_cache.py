@@ -214,3 +214,12 @@ class PrefillPlan(NamedTuple):
         """Store a prefill's (N, kv_heads, P, D) keys and values of layer `layer`."""
         cache.pool_k[layer][self.blocks, :, self.offsets] = keys[self.prompts, :, self.positions]
         cache.pool_v[layer][self.blocks, :, self.offsets] = values[self.prompts, :, self.positions]
+
+    def write_packed(
+        self, cache: PagedKVCache, layer: int, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor
+    ) -> None:
+        """Store a packed prefill's (T, kv_heads, D) keys and values of layer `layer`, prompt i's
+        tokens from ``starts[i]`` on."""
+        tokens = starts[self.prompts] + self.positions
+        cache.pool_k[layer][self.blocks, :, self.offsets] = keys[tokens]
+        cache.pool_v[layer][self.blocks, :, self.offsets] = values[tokens]

@@ -30,14 +30,16 @@ buffer, so that the tests run the capturing, reuse and invalidation on a CPU.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from llmrl.inference.kv_cache import list_tensor
 from llmrl.inference.llama_decoder import LlamaFamilyDecoder
 from llmrl.inference.llama_forward import prompt_mask
-from llmrl.inference.paged_cache import SCRATCH_BLOCK, PagedKVCache
+from llmrl.inference.paged_cache import SCRATCH_BLOCK, PagedKVCache, PrefillPlan
 
 DecodeFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(tokens (B,), lengths (B,), block table (B, width), attended positions) -> logits (B, V)."""
@@ -194,9 +196,13 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
         reserve_tokens: int = 8192,
         static_shapes: bool | None = None,
         capture: bool | None = None,
+        packed_prefill: bool | None = None,
     ):
         """`reserve_tokens`: KV-cache tokens the pool is first sized for (the engine's admission
-        budget). `static_shapes` and `capture` (`StaticSteps`) default to on for CUDA, off elsewhere."""
+        budget). `static_shapes` and `capture` (`StaticSteps`) default to on for CUDA, off elsewhere.
+        `packed_prefill`: prompts prefilled end to end, attended by their boundaries (flash attention's
+        variable-length kernel) instead of padded under a mask; default on for CUDA in half precision
+        (the kernel's), off elsewhere (the padded path's numbers are the default decoder's)."""
         self._reserve_tokens = reserve_tokens
         on_cuda = next(model.parameters()).device.type == "cuda"
         self._capture = on_cuda if capture is None else capture
@@ -208,6 +214,10 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
             block=PagedKVCache.BLOCK,
             static_shapes=capture or (on_cuda if static_shapes is None else static_shapes),
             capture=capture,
+        )
+        dtype = next(model.parameters()).dtype
+        self.packed_prefill = (
+            on_cuda and dtype in (torch.bfloat16, torch.float16) if packed_prefill is None else packed_prefill
         )
         # A graph reads the rotary table and the positions at fixed addresses: built whole, once. The
         # positions cover the widest block table, whose width is a power of two past the context.
@@ -242,6 +252,8 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
         cache = self.cache
         num_prompts, width = len(prompts), max(len(p) for p in prompts)
         plan = cache.add_rows([len(p) for p in prompts], copies)
+        if self.packed_prefill:
+            return self._packed_prefill(prompts, plan)
         padded = [token for p in prompts for token in (*p, *[0] * (width - len(p)))]
         ids = torch.tensor(padded, device=self.device).view(num_prompts, width)  # right-padded
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -254,6 +266,25 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
             self._rotation[:width, None],
             mask,
             lambda layer, keys, values: plan.write(cache, layer, keys, values),
+        )
+
+    def _packed_prefill(self, prompts: list[list[int]], plan: PrefillPlan) -> torch.Tensor:
+        lengths = [len(p) for p in prompts]
+        starts = list(itertools.accumulate(lengths, initial=0))
+        values = list_tensor(
+            [*(t for p in prompts for t in p), *(i for n in lengths for i in range(n)), *starts],
+            torch.int64,
+            self.device,
+        )
+        total = starts[-1]
+        ids, positions, cu = values[:total], values[total : 2 * total], values[2 * total :]
+        return self.forward.packed_prefill(
+            self.weights,
+            ids,
+            cu.to(torch.int32),
+            max(lengths),
+            self._rotation[positions, None],
+            lambda layer, keys, values: plan.write_packed(self.cache, layer, keys, values, cu),
         )
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:

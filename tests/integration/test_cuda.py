@@ -138,3 +138,21 @@ def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_numbers(tiny_model_
             torch.testing.assert_close(
                 torch.tensor(graphed.logprobs), torch.tensor(eager.logprobs), atol=1e-4, rtol=0
             )
+
+
+def test_packed_prefill_on_a_gpu_gives_the_padded_prefills_numbers(tiny_model_path):
+    """The graphed decoder's prefill in bfloat16 attends prompts end to end through flash attention's
+    variable-length kernel: the padded, masked prefill's logits and cache, to bfloat16's precision."""
+    from llmrl.inference.static_decode import PagedLlamaDecoder
+    from llmrl.models import load_model
+
+    model, _ = load_model("tiny://arithmetic", dtype="bfloat16", device="cuda")
+    packed = PagedLlamaDecoder(model, max_rows=8)
+    padded = PagedLlamaDecoder(model, max_rows=8, packed_prefill=False)
+    assert packed.packed_prefill
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (5, 40, 17, 1)]
+    with torch.inference_mode():
+        logits = packed.prefill(prompts, [2, 3, 1, 1]), padded.prefill(prompts, [2, 3, 1, 1])
+    torch.testing.assert_close(logits[0].float(), logits[1].float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(packed.cache.pool_k.float(), padded.cache.pool_k.float(), atol=5e-2, rtol=5e-2)

@@ -182,6 +182,30 @@ def test_padded_rows_and_masked_cells_change_nothing():
         torch.testing.assert_close(noisy, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_packed_prefill_attends_prompts_by_their_boundaries(family):
+    # End to end, no padding, no mask (on CUDA flash attention's variable-length kernel; here its
+    # span-by-span reference): the padded prefill's logits and cache, to rounding.
+    model = _build(family, 97)
+    padded = PagedLlamaDecoder(model, max_rows=8)
+    packed = PagedLlamaDecoder(model, max_rows=8, packed_prefill=True)
+    assert not padded.packed_prefill  # off on a CPU by default: the padded path is the default decoder's
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (n,), generator=generator).tolist() for n in (5, 40, 17, 1)]
+    copies = [2, 3, 1, 1]
+    sequences = [list(p) for p, c in zip(prompts, copies, strict=True) for _ in range(c)]
+    with torch.inference_mode():
+        first = packed.prefill(prompts, copies)
+        torch.testing.assert_close(first, padded.prefill(prompts, copies), rtol=0, atol=2e-5)
+        torch.testing.assert_close(packed.cache.pool_k, padded.cache.pool_k, rtol=0, atol=2e-5)
+        torch.testing.assert_close(packed.cache.pool_v, padded.cache.pool_v, rtol=0, atol=2e-5)
+        for _ in range(3):
+            tokens = torch.randint(0, 97, (len(sequences),), generator=generator)
+            sequences = [s + [t] for s, t in zip(sequences, tokens.tolist(), strict=True)]
+            logits = packed.decode(tokens)
+    torch.testing.assert_close(logits, _last_logits(model, sequences), rtol=0, atol=1e-4)
+
+
 def test_rows_up_to_the_end_of_the_context():
     # 160 positions are 10 blocks: the table's width (a power of two) passes the context.
     model = _build("qwen2", 97)
