@@ -71,23 +71,6 @@ def _varlen_options(grouped: bool) -> tuple[dict[str, Any], bool]:
     return options, grouped and "enable_gqa" not in parameters
 
 
-def _flash_varlen(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
-    scale: float | None,
-) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    options, repeat = _varlen_options(query.shape[1] != key.shape[1])
-    if repeat:
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, **options)
-
-
 def attend_spans(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -99,9 +82,15 @@ def attend_spans(
     """Causal attention within each span of `cu` (int32), ``query [N, H, D]``, ``key/value [N, H_kv,
     D]`` -> ``[N, H, D]``: torch's flash kernel on CUDA (half precision), `reference_attention`
     elsewhere."""
-    if query.is_cuda:
-        return _flash_varlen(query, key, value, cu, longest, scale)
-    return reference_attention(query, key, value, cu, scale)
+    if not query.is_cuda:
+        return reference_attention(query, key, value, cu, scale)
+    from torch.nn.attention.varlen import varlen_attn
+
+    options, repeat = _varlen_options(query.shape[1] != key.shape[1])
+    if repeat:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, **options)
 
 
 def boundary_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
