@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llmrl.algorithms.distillation import teacher_top_k, top_k_reverse_kl
 from llmrl.algorithms.packing import PackedBatch, has_local_attention
-from llmrl.algorithms.varlen import VARLEN, boundary_kwargs
+from llmrl.algorithms.varlen import attends_by_sequence, boundary_kwargs
 
 CHUNK_ELEMENTS = 2**24
 """Default chunk budget in logits: 16M float32 values = 64 MB (512 tokens at a 32k vocab)."""
@@ -299,13 +299,12 @@ def _masked_hidden(
     rows and columns of those tokens, and the LM head."""
     _check_causal_lm(model)
     lm_head = model.get_output_embeddings()
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     hidden = model.base_model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=_attention_mask(model, batch, lm_head.weight.dtype),
         use_cache=False,
-        **(boundary_kwargs(batch.position_ids) if implementation == VARLEN else {}),
+        **(boundary_kwargs(batch.position_ids) if attends_by_sequence(model) else {}),
     ).last_hidden_state  # (R, T, H)
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
     return (

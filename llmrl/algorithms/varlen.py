@@ -27,6 +27,11 @@ VARLEN = "llmrl_varlen"
 """The name transformers knows the kernel by (`register`)."""
 
 
+def attends_by_sequence(model: object) -> bool:
+    """Whether `model` (a transformers model, or anything with a ``config``) runs `VARLEN` attention."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN
+
+
 def sequence_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``cu`` (int32, ``[S + 1]``) of the sequences in rows ``[R, T]`` flattened row after row, and the
     longest one's length. A sequence starts at each row's start and wherever the position id is not the

@@ -190,9 +190,9 @@ class InferenceConfig(Section):
     @field_validator("cuda_graphs", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: Any) -> Any:
-        return (
-            {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-        )  # YAML's bare on/off
+        if isinstance(value, bool):  # YAML reads a bare on/off as true/false
+            return "on" if value else "off"
+        return value
 
     @model_validator(mode="before")
     @classmethod

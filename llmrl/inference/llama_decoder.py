@@ -19,6 +19,7 @@ running, decode takes that path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -190,7 +191,7 @@ class LlamaFamilyDecoder:
         self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
     ) -> torch.Tensor:
         cache = self.cache
-        num_prompts, width = len(prompts), max(len(p) for p in prompts)
+        num_prompts = len(prompts)
         first_group, first_row = cache.num_groups, cache.num_rows
         share = [n > 1 and len(p) * (n - 1) >= self.share_from for p, n in zip(prompts, copies, strict=True)]
         # Where each prompt's keys/values go: the shared cache (one entry per group) or the rows.
@@ -221,12 +222,6 @@ class LlamaFamilyDecoder:
             max([*cache.cached, inline_width]) + 1,
             max([*cache.reach, *reach]),
         )
-        padded = [token for p in prompts for token in (*p, *[0] * (width - len(p)))]
-        values = list_tensor([*padded, *(len(p) for p in prompts)], torch.int64, self.device)
-        ids, lengths = (
-            values[: num_prompts * width].view(num_prompts, width),
-            values[num_prompts * width :],
-        )  # right-padded
         # (prompt index, cache entry, positions to write) per destination
         destinations = (
             (
@@ -249,11 +244,22 @@ class LlamaFamilyDecoder:
                     getattr(cache, f"{which}_k")[layer, target, :, :length] = keys[source, :, :length]
                     getattr(cache, f"{which}_v")[layer, target, :, :length] = values[source, :, :length]
 
-        same_length = all(len(p) == width for p in prompts)
-        mask = None if same_length else prompt_mask(lengths, torch.arange(width, device=self.device))
-        logits = self.forward.prefill(self.weights, ids, lengths, self._rotation[:width, None], mask, write)
+        logits = self._padded_prefill(prompts, write)
         cache.add_groups([len(p) for p in prompts], copies, share, reach)
         return logits
+
+    def _padded_prefill(
+        self, prompts: list[list[int]], write: Callable[[int, torch.Tensor, torch.Tensor], None]
+    ) -> torch.Tensor:
+        """`LlamaForward.prefill` of `prompts` right-padded to the longest, under a mask where their
+        lengths differ; `write` stores each layer's keys and values."""
+        num_prompts, width = len(prompts), max(len(p) for p in prompts)
+        padded = [token for p in prompts for token in (*p, *[0] * (width - len(p)))]
+        values = list_tensor([*padded, *(len(p) for p in prompts)], torch.int64, self.device)
+        ids, lengths = values[: num_prompts * width].view(num_prompts, width), values[num_prompts * width :]
+        same_length = all(len(p) == width for p in prompts)
+        mask = None if same_length else prompt_mask(lengths, torch.arange(width, device=self.device))
+        return self.forward.prefill(self.weights, ids, lengths, self._rotation[:width, None], mask, write)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         cache, index = self.cache, self.cache.index

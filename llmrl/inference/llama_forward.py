@@ -246,6 +246,16 @@ class LlamaForward:
         """The attention's queries, keys and values by token, (tokens, (H + 2 Hkv) D)."""
         return F.linear(self.rms_norm(x, layer.input_norm).t(), layer.qkv_weight, layer.qkv_bias)
 
+    def rotated_qkv(
+        self, x: torch.Tensor, layer: LayerWeights, rotation: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (tokens, H, D), keys and values (tokens, Hkv, D) of the columns of `x`, queries and
+        keys rotated by `rotation` (tokens, 1, D/2)."""
+        tokens, heads, kv_heads, dim = x.shape[1], self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(x, layer)
+        qk = _rotate(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), rotation)
+        return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+
     def attention_mlp_residual(
         self, x: torch.Tensor, attn: torch.Tensor, layer: LayerWeights
     ) -> torch.Tensor:
@@ -298,15 +308,12 @@ class LlamaForward:
         (`cu` int32): logits at each prompt's last position (N, V). Attention runs within the spans
         (`attend_spans`: no padding, no mask); `rotation` (T, 1, D/2) holds each token's rotary row;
         `write(layer, keys, values)` stores each layer's (T, kv_heads, D) keys and values."""
-        tokens, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, weights.embed).t()  # (hidden, T)
         for index, layer in enumerate(weights.layers):
-            qkv = self.qkv(x, layer)  # (T, (H + 2 Hkv) D)
-            qk = _rotate(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), rotation)
-            key, value = qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+            query, key, value = self.rotated_qkv(x, layer, rotation)
             write(index, key, value)
-            attn = attend_spans(qk[:, :heads], key, value, cu, longest, scale=1.0)
-            x = self.attention_mlp_residual(x, attn.reshape(tokens, heads * dim), layer)
+            attn = attend_spans(query, key, value, cu, longest, scale=1.0)
+            x = self.attention_mlp_residual(x, attn.flatten(1), layer)
         return self.logits(x[:, cu[1:].long() - 1], weights)
 
     def residual(
@@ -383,13 +390,11 @@ class LlamaForward:
         keys, values = [], []
         x = F.embedding(tokens, weights.embed).t()  # (hidden, B): the residual stream by columns
         for index, layer in enumerate(weights.layers):
-            qkv = self.qkv(x, layer)  # (B, (H + 2 Hkv) D)
-            qk = _rotate(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), rotation)
-            key, value = qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+            query, key, value = self.rotated_qkv(x, layer, rotation)
             keys.append(key)
             values.append(value)
             # Query heads grouped by their kv head, (B, Hkv, G, D): no repeated keys for GQA.
-            q = qk[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
+            q = query.view(rows, kv_heads, heads // kv_heads, dim)
             own = read_cache(index)
             if shared is None:
                 attn = self._attention(q, own, bias, key, value)

@@ -38,7 +38,6 @@ import torch
 
 from llmrl.inference.kv_cache import list_tensor
 from llmrl.inference.llama_decoder import LlamaFamilyDecoder
-from llmrl.inference.llama_forward import prompt_mask
 from llmrl.inference.paged_cache import SCRATCH_BLOCK, PagedKVCache, PrefillPlan
 
 DecodeFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -249,23 +248,11 @@ class PagedLlamaDecoder(LlamaFamilyDecoder):
         self, prompts: list[list[int]], copies: list[int], max_new_tokens: list[int] | None = None
     ) -> torch.Tensor:
         del max_new_tokens  # blocks are taken as rows grow
-        cache = self.cache
-        num_prompts, width = len(prompts), max(len(p) for p in prompts)
-        plan = cache.add_rows([len(p) for p in prompts], copies)
+        plan = self.cache.add_rows([len(p) for p in prompts], copies)
         if self.packed_prefill:
             return self._packed_prefill(prompts, plan)
-        padded = [token for p in prompts for token in (*p, *[0] * (width - len(p)))]
-        ids = torch.tensor(padded, device=self.device).view(num_prompts, width)  # right-padded
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        same_length = all(len(p) == width for p in prompts)
-        mask = None if same_length else prompt_mask(lengths, self._positions[:width])
-        return self.forward.prefill(
-            self.weights,
-            ids,
-            lengths,
-            self._rotation[:width, None],
-            mask,
-            lambda layer, keys, values: plan.write(cache, layer, keys, values),
+        return self._padded_prefill(
+            prompts, lambda layer, keys, values: plan.write(self.cache, layer, keys, values)
         )
 
     def _packed_prefill(self, prompts: list[list[int]], plan: PrefillPlan) -> torch.Tensor:

@@ -28,7 +28,7 @@ from llmrl.algorithms.packing import (
     unit_tokens,
     unpack,
 )
-from llmrl.algorithms.varlen import VARLEN
+from llmrl.algorithms.varlen import attends_by_sequence
 from llmrl.config import ConfigError, TrainingConfig
 from llmrl.models.routing import (
     ROUTE_DTYPE,
@@ -88,9 +88,7 @@ class ForwardPasses:
         self._token_cost, self._pair_cost = shape.token_flops, shape.pair_flops
         # A shared prefix brings its own attention mask, which would drop a sliding window.
         self._local_attention = has_local_attention(getattr(policy, "config", None))
-        self._attention_by_sequence = (
-            getattr(getattr(policy, "config", None), "_attn_implementation", None) == VARLEN
-        )
+        self._attention_by_sequence = attends_by_sequence(policy)
         self.device = next(policy.parameters()).device
         master_dtype = next(p for p in policy.parameters() if p.requires_grad).dtype
         self._autocast_dtype = (
