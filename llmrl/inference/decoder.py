@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 import torch
 from transformers import DynamicCache
 
+from llmrl.config import ConfigError
 from llmrl.inference.kv_cache import max_positions
 from llmrl.inference.llama_decoder import LlamaFamilyDecoder
 from llmrl.inference.merging import MergedWeights
@@ -95,7 +96,7 @@ def build_decoder(
     function run eagerly elsewhere. ``auto`` is ``off`` until graphs have run on a card."""
     if cuda_graphs == "on":
         if not LlamaFamilyDecoder.supports(model):
-            raise ValueError(
+            raise ConfigError(
                 "inference.cuda_graphs: on needs a Llama or Qwen2 model (the compact decoder); "
                 f"{type(model).__name__} runs on the generic decoder: set inference.cuda_graphs: off"
             )
